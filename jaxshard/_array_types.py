@@ -1,0 +1,187 @@
+"""`Float[Array, "batch d", P("dp", None)]`: jaxtyping annotations with a partition spec.
+
+With two items, each dtype class here returns exactly jaxtyping's annotation. With a
+third item, a `PartitionSpec`, it returns a subclass of that annotation whose
+`isinstance` check also checks the sharding (see `_sharding.py`).
+"""
+
+import copyreg
+import typing
+from typing import Any, get_args, get_origin
+
+import jax
+import jaxtyping
+from jax.sharding import PartitionSpec
+
+from . import _decorator, _sharding
+from ._errors import AnnotationError
+from ._jax_internals import in_tree_flatten, restore_dim_memo, save_dim_memo
+from ._spec import format_spec, parse_compact, validate_spec
+
+
+_MetaAbstractArray = type(jaxtyping.AbstractArray)
+_MetaAbstractDtype = type(jaxtyping.AbstractDtype)
+_union_types = (typing.Union, type(int | str))
+
+
+class _Shape:
+    """Stands in for an array in jaxtyping's shape check: the global shape of a block."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape = shape
+
+
+class _MetaShardedArray(_MetaAbstractArray):
+    spec: PartitionSpec
+
+    def __instancecheck_str__(cls, obj: Any) -> str:
+        snapshot = save_dim_memo()
+        reason = super().__instancecheck_str__(obj)
+        if reason or in_tree_flatten():
+            return reason
+        reason = _sharding.check(cls, obj)
+        if reason:
+            restore_dim_memo(snapshot)
+            _decorator.note_failure(obj, reason)
+        return reason
+
+    def _check_shape(cls, obj, single_memo, variadic_memo, arg_memo) -> str:
+        shape = _sharding.global_shape(cls.spec, obj)
+        if shape is None or shape == tuple(obj.shape):
+            return super()._check_shape(obj, single_memo, variadic_memo, arg_memo)
+        reason = super()._check_shape(_Shape(shape), single_memo, variadic_memo, arg_memo)
+        if reason:
+            reason += (
+                f" (inside shard_map this value is one block of the global array: its "
+                f"local shape {tuple(obj.shape)} is a global shape of {shape} under "
+                f"{format_spec(cls.spec)}; the annotation describes the global array)"
+            )
+        return reason
+
+    def __repr__(cls) -> str:
+        return cls.__name__
+
+
+def _pickle_sharded(cls):
+    return with_spec, (cls.dtype[cls.array_type, cls.dim_str], cls.spec)
+
+
+copyreg.pickle(_MetaShardedArray, _pickle_sharded)  # pyright: ignore[reportArgumentType]
+
+
+def with_spec(annotation: Any, spec: Any) -> Any:
+    """Adds `spec` to a plain jaxtyping annotation (or to each member of a union)."""
+    if get_origin(annotation) in _union_types:
+        return typing.Union[tuple(with_spec(a, spec) for a in get_args(annotation))]
+    if not (isinstance(annotation, type) and issubclass(annotation, jaxtyping.AbstractArray)):
+        return annotation  # e.g. `float` in `Float[Array | float, ""]`: no sharding
+    variadic = annotation.index_variadic is not None
+    spec = validate_spec(spec, len(annotation.dims) - variadic, variadic)
+    array_type = getattr(annotation.array_type, "__name__", repr(annotation.array_type))
+    array_type = array_type.rsplit(".", 1)[-1]  # jax.Array calls itself jaxlib._jax.Array
+    name = (
+        f"{annotation.dtype.__name__}[{array_type}, '{annotation.dim_str}', "
+        f"{format_spec(spec)}]"
+    )
+    out = _MetaShardedArray(name, (annotation,), {"spec": spec})
+    # beartype wants `repr(A | int)` to start with `repr(A)`: only "builtins" gives
+    # a class a union repr without a module prefix.
+    out.__module__ = "builtins"
+    out.__qualname__ = name
+    return out
+
+
+class _MetaShardedDtype(_MetaAbstractDtype):
+    _plain: Any
+
+    def __getitem__(cls, item):
+        if isinstance(item, tuple) and len(item) == 3:
+            array_type, dim_str, spec = item
+            return with_spec(cls._plain[array_type, dim_str], spec)
+        return cls._plain[item]
+
+
+def _sharded_dtype(plain) -> Any:
+    out = _MetaShardedDtype(plain.__name__, (plain,), {"_plain": plain})
+    out.__module__ = "jaxshard"
+    out.__doc__ = (
+        f"jaxtyping's `{plain.__name__}`, with an optional third item: a partition spec."
+    )
+    return out
+
+
+def sharded(dtype: Any, text: str, *, array_type: Any = jax.Array) -> Any:
+    """Builds a sharded annotation from the compact syntax.
+
+    A dimension in brackets is sharded: `[dim/axis]`, or `[dim/(axis1,axis2)]` for a
+    dimension sharded over several mesh axes. The dimension may be any jaxtyping
+    dimension expression (`[batch-1/dp]`).
+
+    **Arguments:**
+
+    - `dtype`: a dtype class, e.g. `jaxshard.Float` (jaxtyping's own work too).
+    - `text`: the dimensions, e.g. `"[batch/dp] seqlen [heads/(tp,fsdp)] d"`.
+    - `array_type`: keyword-only, the array type; `jax.Array` by default.
+
+    **Returns:**
+
+    The same annotation as `dtype[array_type, dims, spec]`.
+
+    !!! Example
+
+        ```python
+        X = jaxshard.sharded(Float, "[batch/dp] seqlen [heads/(tp,fsdp)] d")
+        # Float[Array, 'batch seqlen heads d', P('dp', None, ('tp', 'fsdp'), None)]
+        ```
+    """
+    if not (isinstance(dtype, type) and issubclass(dtype, jaxtyping.AbstractDtype)):
+        raise AnnotationError(
+            f"sharded(dtype, text) takes a dtype class such as jaxshard.Float as its "
+            f"first argument; got {dtype!r}."
+        )
+    if not isinstance(text, str):
+        raise AnnotationError(f"sharded(dtype, text) takes a string; got {text!r}.")
+    dims, spec = parse_compact(text)
+    plain = getattr(dtype, "_plain", dtype)
+    return with_spec(plain[array_type, dims], spec)
+
+
+def partition_spec(annotation: Any) -> PartitionSpec | None:
+    """The partition spec of a sharded annotation, or `None` for a plain one."""
+    return getattr(annotation, "spec", None) if isinstance(annotation, _MetaShardedArray) else None
+
+
+UInt2 = _sharded_dtype(jaxtyping.UInt2)
+UInt4 = _sharded_dtype(jaxtyping.UInt4)
+UInt8 = _sharded_dtype(jaxtyping.UInt8)
+UInt16 = _sharded_dtype(jaxtyping.UInt16)
+UInt32 = _sharded_dtype(jaxtyping.UInt32)
+UInt64 = _sharded_dtype(jaxtyping.UInt64)
+Int2 = _sharded_dtype(jaxtyping.Int2)
+Int4 = _sharded_dtype(jaxtyping.Int4)
+Int8 = _sharded_dtype(jaxtyping.Int8)
+Int16 = _sharded_dtype(jaxtyping.Int16)
+Int32 = _sharded_dtype(jaxtyping.Int32)
+Int64 = _sharded_dtype(jaxtyping.Int64)
+Float8e4m3b11fnuz = _sharded_dtype(jaxtyping.Float8e4m3b11fnuz)
+Float8e4m3fn = _sharded_dtype(jaxtyping.Float8e4m3fn)
+Float8e4m3fnuz = _sharded_dtype(jaxtyping.Float8e4m3fnuz)
+Float8e5m2 = _sharded_dtype(jaxtyping.Float8e5m2)
+Float8e5m2fnuz = _sharded_dtype(jaxtyping.Float8e5m2fnuz)
+BFloat16 = _sharded_dtype(jaxtyping.BFloat16)
+Float16 = _sharded_dtype(jaxtyping.Float16)
+Float32 = _sharded_dtype(jaxtyping.Float32)
+Float64 = _sharded_dtype(jaxtyping.Float64)
+Complex64 = _sharded_dtype(jaxtyping.Complex64)
+Complex128 = _sharded_dtype(jaxtyping.Complex128)
+Bool = _sharded_dtype(jaxtyping.Bool)
+UInt = _sharded_dtype(jaxtyping.UInt)
+Int = _sharded_dtype(jaxtyping.Int)
+Integer = _sharded_dtype(jaxtyping.Integer)
+Float = _sharded_dtype(jaxtyping.Float)
+Complex = _sharded_dtype(jaxtyping.Complex)
+Inexact = _sharded_dtype(jaxtyping.Inexact)
+Real = _sharded_dtype(jaxtyping.Real)
+Num = _sharded_dtype(jaxtyping.Num)
+Shaped = _sharded_dtype(jaxtyping.Shaped)
+Key = _sharded_dtype(jaxtyping.Key)

@@ -1,0 +1,96 @@
+"""`jaxshard.jaxtyped`: jaxtyping's `jaxtyped`, whose errors also say what was wrong
+with a sharding."""
+
+import functools as ft
+import inspect
+import threading
+from typing import Any
+
+import jaxtyping
+from jaxtyping import TypeCheckError
+
+from ._errors import ShardingError
+
+
+class _Notes(threading.local):
+    def __init__(self):
+        self.frames: list[list[tuple[str, str, str]]] = []
+
+
+_notes = _Notes()
+
+
+def note_failure(obj: Any, reason: str) -> None:
+    """Records why a sharding check failed, for the enclosing `jaxshard.jaxtyped` call's
+    error message. Costs nothing when no such call is active."""
+    if _notes.frames:
+        from ._sharding import where
+
+        function, name = where(obj)
+        _notes.frames[-1].append((function, name, reason))
+
+
+def _details(notes: list[tuple[str, str, str]]) -> str:
+    lines = ["----------------------", "Sharding:"]
+    for function, name, reason in dict.fromkeys(notes):
+        what = "the return value" if name == "return" else f"parameter {name!r}"
+        lines.append(f"- {function}, {what}: {reason}")
+    return "\n".join(lines)
+
+
+def _with_notes(checked, fn):
+    @ft.wraps(fn)
+    def wrapper(*args, **kwargs):
+        __tracebackhide__ = True
+        _notes.frames.append([])
+        try:
+            return checked(*args, **kwargs)
+        except TypeCheckError as e:
+            notes = _notes.frames[-1]
+            if not notes or isinstance(e, ShardingError):
+                raise
+            raise ShardingError(f"{e}\n{_details(notes)}") from e.__cause__
+        finally:
+            _notes.frames.pop()
+
+    return wrapper
+
+
+_sentinel: Any = object()
+
+
+def jaxtyped(fn: Any = _sentinel, *, typechecker: Any = _sentinel) -> Any:
+    """A drop-in for `jaxtyping.jaxtyped`, with the same arguments and behaviour.
+
+    The difference is in the errors: when a sharding check fails, the error is a
+    `jaxshard.ShardingError` (a `jaxtyping.TypeCheckError`) whose message ends with the
+    sharding details: the parameter, the expected and actual specs, the mesh, and the
+    array's dtype and shape. (jaxtyping's own message shows only the expected type.)
+
+    !!! Example
+
+        ```python
+        from beartype import beartype
+
+        @jaxshard.jaxtyped(typechecker=beartype)
+        def f(x: Float[Array, "batch d", P("dp", None)]) -> Float[Array, "batch"]:
+            return x.sum(axis=1)
+        ```
+    """
+    kwargs = {} if typechecker is _sentinel else {"typechecker": typechecker}
+    if isinstance(fn, str):
+        return jaxtyping.jaxtyped(fn, **kwargs)  # "context"
+    if fn is _sentinel:
+        return ft.partial(jaxtyped, **kwargs)
+    if isinstance(fn, (classmethod, staticmethod)):
+        return type(fn)(jaxtyped(fn.__func__, **kwargs))
+    if isinstance(fn, property):
+        parts = (fn.fget, fn.fset, fn.fdel)
+        return property(*(None if p is None else jaxtyped(p, **kwargs) for p in parts))
+    if inspect.isclass(fn):
+        init = fn.__init__
+        out = jaxtyping.jaxtyped(fn, **kwargs)
+        if out.__init__ is not init:
+            out.__init__ = _with_notes(out.__init__, init)
+        return out
+    return _with_notes(jaxtyping.jaxtyped(fn, **kwargs), fn)

@@ -1,0 +1,152 @@
+"""Every use of JAX and jaxtyping internals lives here, each behind one small function.
+
+Checked against jax 0.10.2 and jaxtyping 0.3.11; `tests/test_internals.py` pins down the
+behaviour each function relies on, so a JAX upgrade that changes it fails there first.
+"""
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jaxtyping
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+from jax.interpreters import partial_eval as pe
+
+
+# --- the sharding probe -------------------------------------------------------------
+#
+# `jax.debug.inspect_array_sharding` binds a primitive with a debug *effect* so that it
+# survives dead-code elimination. Any effect in a jitted program turns off jit's C++
+# fast dispatch, so every later call of the program would pay Python dispatch. The
+# probe below lowers to exactly the same custom call (the SPMD partitioner calls back
+# with the propagated sharding, then deletes the call: the compiled program has no extra
+# operation), but has no effect: a DCE rule keeps it instead.
+
+probe_p = Primitive("jaxshard_sharding_probe")
+probe_p.multiple_results = True
+
+
+def bind_probe(value, callback: Callable[[Any, tuple[int, ...]], None]) -> None:
+    """Calls `callback(sharding, batch_dims)` with the sharding XLA gives `value`.
+
+    `batch_dims` are the positions of `vmap`-added dimensions in that sharding, which
+    are not part of the annotation. The call happens when the program is compiled.
+    """
+    probe_p.bind(value, callback=callback, batch_dims=())
+
+
+def _probe_impl(value, *, callback, batch_dims):
+    callback(value.sharding, batch_dims)
+    return []
+
+
+def _probe_abstract_eval(aval, **params):
+    del aval, params
+    return []
+
+
+def _probe_dce(used_outputs, eqn):
+    del used_outputs
+    return [True], eqn
+
+
+def _probe_batch(args, dims, *, callback, batch_dims):
+    (value,), (dim,) = args, dims
+    if dim is not None:  # batching.not_mapped
+        batch_dims = (dim,) + tuple(d + (d >= dim) for d in batch_dims)
+    probe_p.bind(value, callback=callback, batch_dims=batch_dims)
+    return [], []
+
+
+def _probe_jvp(primals, tangents, **params):
+    del tangents
+    return probe_p.bind(*primals, **params), []
+
+
+def _probe_lowering(ctx, value, *, callback, batch_dims):
+    from jax._src import debugging
+
+    return debugging._inspect_sharding_lowering_rule(
+        ctx, value, callback=lambda sharding: callback(sharding, batch_dims)
+    )
+
+
+def _register_probe():
+    from jax._src import dispatch
+
+    # Like inspect_sharding: lowering needs the device assignment to build the mesh.
+    dispatch.prim_requires_devices_during_lowering.add(probe_p)
+
+
+_register_probe()
+probe_p.def_impl(_probe_impl)
+probe_p.def_abstract_eval(_probe_abstract_eval)
+pe.dce_rules[probe_p] = _probe_dce
+batching.primitive_batchers[probe_p] = _probe_batch
+ad.primitive_jvps[probe_p] = _probe_jvp
+mlir.register_lowering(probe_p, _probe_lowering)
+
+
+# --- the mesh in JAX's context ------------------------------------------------------
+
+
+def context_mesh() -> jax.sharding.Mesh | None:
+    """The concrete mesh set by `jax.set_mesh` (or `use_mesh`, or the legacy `with
+    mesh:`), or `None` when there is none."""
+    mesh = jax.sharding.get_mesh()
+    if not mesh.empty:
+        return mesh
+    from jax._src import mesh as mesh_lib
+
+    # The legacy `with mesh:` is visible only here (jax 0.10.2).
+    mesh = mesh_lib.thread_resources.env.physical_mesh
+    return None if mesh.empty else mesh
+
+
+# --- jaxtyping's state --------------------------------------------------------------
+
+from jaxtyping import _storage as _jaxtyping_storage  # noqa: E402
+from jaxtyping import _decorator as _jaxtyping_decorator  # noqa: E402
+
+
+def save_dim_memo() -> tuple:
+    """A snapshot of jaxtyping's dim bindings, for `restore_dim_memo`."""
+    single, variadic, pytree, arguments = _jaxtyping_storage.get_shape_memo()
+    return single.copy(), variadic.copy(), pytree.copy(), arguments
+
+
+def restore_dim_memo(snapshot: tuple) -> None:
+    _jaxtyping_storage.set_shape_memo(*snapshot)
+
+
+def in_tree_flatten() -> bool:
+    """True while `jaxtyping.PyTree` checks only the tree structure of its leaves."""
+    return bool(_jaxtyping_storage.get_treeflatten_memo())
+
+
+_WRAPPER_CODE = ("wrapped_fn_impl", _jaxtyping_decorator.__file__)
+
+
+def checked_call() -> tuple[str, dict[str, Any], Any] | None:
+    """Which `jaxtyped` function is being checked in this thread, if any.
+
+    Returns `(qualified name, bound arguments, return value or None)` of the innermost
+    `jaxtyping.jaxtyped` call on the stack. Found by looking for jaxtyping's wrapper
+    frame, so it serves jaxtyping's own `jaxtyped`, jaxshard's and the import hook.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if (code.co_name, code.co_filename) == _WRAPPER_CODE:
+            local = frame.f_locals
+            fn = local.get("fn")
+            name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+            bound = local.get("bound")
+            arguments = dict(bound.arguments) if bound is not None else {}
+            return name, arguments, local.get("out")
+        frame = frame.f_back
+    return None
+
+

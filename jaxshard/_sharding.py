@@ -1,0 +1,327 @@
+"""Does an array's sharding match an annotation's partition spec?
+
+`check` returns "" when it does and a sentence saying what is wrong when it does not,
+like jaxtyping's `__instancecheck_str__`. Where the answer is only known when XLA
+compiles (inside `jit` on a mesh with Auto axes), `check` returns "" and leaves a probe
+in the program; a mismatch found by the probe is raised as `ShardingError` out of the
+call that compiled the program (see `_on_compile`).
+"""
+
+import dataclasses
+import functools as ft
+import math
+import threading
+from typing import Any
+
+import jax
+import jax.monitoring
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from . import _config
+from ._errors import ShardingError
+from ._jax_internals import bind_probe, checked_call, context_mesh
+from ._spec import axes_of, format_spec
+
+
+# --- descriptions -------------------------------------------------------------------
+
+
+def describe_mesh(mesh) -> str:
+    sizes = ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items())
+    types = {t.name for t in mesh.axis_types}
+    return "{" + sizes + "}" + (f" ({'/'.join(sorted(types))} axes)" if types else "")
+
+
+def describe_array(dtype, shape) -> str:
+    return f"{dtype}[{','.join(map(str, shape))}]"
+
+
+def describe_sharding(sharding, ndim: int) -> str:
+    if isinstance(sharding, NamedSharding):
+        return format_spec(sharding.spec)
+    devices = sharding.device_set
+    if len(devices) == 1:
+        return f"on one device ({next(iter(devices))})"
+    return repr(sharding)
+
+
+def where(obj: Any) -> tuple[str, str]:
+    """`(function, parameter)` naming the value being checked, for error messages."""
+    call = checked_call()
+    if call is None:
+        return "<no jaxtyped function>", "<value>"
+    function, arguments, out = call
+    for name, value in arguments.items():
+        if value is obj:
+            return function, name
+    for name, value in [*arguments.items(), ("return", out)]:
+        try:
+            leaves = jax.tree_util.tree_flatten_with_path(value)[0]
+        except Exception:
+            continue
+        for path, leaf in leaves:
+            if leaf is obj:
+                return function, name + jax.tree_util.keystr(path)
+    return function, "<a value checked inside the function>"
+
+
+# --- comparing shardings ------------------------------------------------------------
+
+
+def _missing_axes(spec: PartitionSpec, mesh) -> str:
+    names = [a for entry in spec for a in axes_of(entry) if a not in mesh.axis_names]
+    if not names:
+        return ""
+    return (
+        f"the annotation's spec {format_spec(spec)} names mesh axis "
+        f"{', '.join(map(repr, names))}, but the mesh {describe_mesh(mesh)} has "
+        f"axes {', '.join(map(repr, mesh.axis_names))}"
+    )
+
+
+@ft.lru_cache(maxsize=4096)
+def compare(spec: PartitionSpec, actual, ndim: int, mesh=None) -> str:
+    """"" if `actual` is equivalent to `NamedSharding(mesh, spec)` for an array of
+    `ndim` dimensions, else the end of a sentence saying how it differs. `mesh` defaults
+    to `actual`'s own."""
+    if mesh is None:
+        mesh = actual.mesh
+    reason = _missing_axes(spec, mesh)
+    if reason:
+        return reason
+    if len(spec) > ndim:
+        return (
+            f"the annotation's spec {format_spec(spec)} has {len(spec)} entries but "
+            f"the array has {ndim} dimensions"
+        )
+    entries = list(spec)
+    if PartitionSpec.UNCONSTRAINED in entries:
+        # Unconstrained dimensions are not checked: take the actual entry there.
+        actual_entries = (
+            list(actual.spec) + [None] * ndim
+            if isinstance(actual, NamedSharding) and actual.mesh == mesh
+            else [None] * ndim
+        )
+        entries = [
+            actual_entries[i] if e is PartitionSpec.UNCONSTRAINED else e
+            for i, e in enumerate(entries)
+        ]
+    expected = NamedSharding(mesh, PartitionSpec(*entries))
+    if expected.is_equivalent_to(actual, ndim):
+        return ""
+    return (
+        f"is sharded as {describe_sharding(actual, ndim)}, but the annotation expects "
+        f"{format_spec(spec)}, on mesh {describe_mesh(mesh)}"
+    )
+
+
+def _phrase(array: str, reason: str) -> str:
+    if reason.startswith("is sharded"):
+        return f"this array ({array}) {reason}."
+    return f"{reason} (array {array})."
+
+
+# --- the checks ---------------------------------------------------------------------
+
+
+def check(annotation, obj: Any) -> str:
+    """"" if `obj`'s sharding satisfies `annotation.spec`, else the reason it does not."""
+    if _config.get("sharding") == "off":
+        return ""
+    spec = annotation.spec
+    if isinstance(obj, jax.core.Tracer):
+        return _check_traced(annotation, obj)
+    if not isinstance(obj, jax.Array):
+        return (
+            f"this value is a {type(obj).__module__}.{type(obj).__qualname__}, which "
+            f"has no sharding, but the annotation expects {format_spec(spec)}. Pass a "
+            "jax.Array, e.g. `jax.device_put(x, NamedSharding(mesh, spec))`."
+        )
+    sharding = obj.sharding
+    mesh = None
+    if not isinstance(sharding, NamedSharding):
+        mesh = context_mesh()
+        if mesh is None:
+            if len(sharding.device_set) == 1:
+                return ""  # code annotated for a pod, running on one device
+            return (
+                f"this array ({describe_array(obj.dtype, obj.shape)}) is spread over "
+                f"{len(sharding.device_set)} devices by a {type(sharding).__name__}, "
+                "which names no mesh axes, and there is no mesh in context to read "
+                f"the annotation's spec {format_spec(spec)} against. Run the code "
+                "inside `with jax.set_mesh(mesh):`."
+            )
+    reason = compare(spec, sharding, obj.ndim, mesh)
+    return _phrase(describe_array(obj.dtype, obj.shape), reason) if reason else ""
+
+
+def _check_traced(annotation, x) -> str:
+    aval = jax.typeof(x)
+    mesh = aval.sharding.mesh
+    if not mesh.empty:
+        types = set(mesh.axis_types)
+        if AxisType.Manual in types:
+            return _check_manual(annotation.spec, aval, mesh)
+        if types == {AxisType.Explicit}:
+            reason = compare(annotation.spec, aval.sharding, aval.ndim)
+            return _phrase(aval.str_short(), reason) if reason else ""
+    _add_probe(annotation, x, aval)
+    return ""
+
+
+def _check_manual(spec: PartitionSpec, aval, mesh) -> str:
+    """Inside `shard_map`: the value is one block of the global array."""
+    reason = _missing_axes(spec, mesh)
+    if reason:
+        return _phrase(aval.str_short(), reason)
+    named = {a for entry in spec for a in axes_of(entry)}
+    mat = getattr(aval, "manual_axis_type", None)
+    varying = set(getattr(mat, "varying", ()))
+    extra = sorted(varying - named)
+    if extra:
+        return (
+            f"this block ({aval.str_short()}) differs across the shard_map mesh "
+            f"axes {', '.join(map(repr, extra))}, but the annotation's spec "
+            f"{format_spec(spec)} says the array is replicated over them (mesh "
+            f"{describe_mesh(mesh)})."
+        )
+    return ""
+
+
+def global_shape(spec: PartitionSpec, obj: Any) -> tuple[int, ...] | None:
+    """Inside `shard_map`, the global shape of which `obj` is one block; else None."""
+    if not isinstance(obj, jax.core.Tracer):
+        return None
+    aval = jax.typeof(obj)
+    mesh = aval.sharding.mesh
+    if mesh.empty or AxisType.Manual not in mesh.axis_types:
+        return None
+    manual = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual}
+    sizes = mesh.shape
+    entries = list(spec)[: len(aval.shape)]
+    factors = [
+        math.prod(sizes[a] for a in axes_of(e) if a in manual) for e in entries
+    ]
+    factors += [1] * (len(aval.shape) - len(factors))
+    return tuple(d * f for d, f in zip(aval.shape, factors))
+
+
+# --- compile-time checks ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Site:
+    """Where a compile-time check was written, for its error message."""
+
+    function: str
+    name: str
+    annotation: str
+    spec: PartitionSpec
+    array: str
+    ndim: int
+    thread: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    site: Site
+    actual: str
+    reason: str
+
+    def __str__(self):
+        site = self.site
+        return (
+            f"{site.function}, {'the return value' if site.name == 'return' else 'parameter ' + repr(site.name)}"
+            f" ({site.array}, annotated {site.annotation}): {self.reason}"
+        )
+
+
+_lock = threading.Lock()
+_pending: list[Violation] = []
+
+
+def _add_probe(annotation, x, aval) -> None:
+    function, name = where(x)
+    site = Site(
+        function=function,
+        name=name,
+        annotation=repr(annotation),
+        spec=annotation.spec,
+        array=aval.str_short(),
+        ndim=aval.ndim,
+        thread=threading.get_ident(),
+    )
+    bind_probe(x, ft.partial(_on_sharding, site))
+
+
+def _strip(sharding, batch_dims: tuple[int, ...], ndim: int):
+    if not batch_dims or not isinstance(sharding, NamedSharding):
+        return sharding
+    entries = list(sharding.spec) + [None] * (ndim + len(batch_dims) - len(sharding.spec))
+    kept = [e for i, e in enumerate(entries) if i not in batch_dims]
+    return NamedSharding(sharding.mesh, PartitionSpec(*kept))
+
+
+def _on_sharding(site: Site, sharding, batch_dims: tuple[int, ...]) -> None:
+    # Runs on an XLA compiler thread: never raise here (XLA would wrap the error in
+    # `JaxRuntimeError: INTERNAL: Error calling inspect_sharding`); record instead.
+    sharding = _strip(sharding, batch_dims, site.ndim)
+    if isinstance(sharding, NamedSharding):
+        reason = compare(site.spec, sharding, site.ndim)
+    elif len(sharding.device_set) == 1:
+        reason = ""
+    else:
+        reason = (
+            f"XLA spread the array over {len(sharding.device_set)} devices with no "
+            "mesh to read the annotation's axis names against. Run the code inside "
+            "`with jax.set_mesh(mesh):`"
+        )
+    if reason:
+        if reason.startswith("is sharded"):
+            reason = "after XLA's sharding propagation it " + reason
+        violation = Violation(site, describe_sharding(sharding, site.ndim), reason + ".")
+        with _lock:
+            _pending.append(violation)
+
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def take_violations(thread: int | None = None) -> list[Violation]:
+    """Removes and returns the violations recorded for programs traced by `thread`
+    (default: this one) or by threads that have ended."""
+    if not _pending:
+        return []
+    thread = threading.get_ident() if thread is None else thread
+    alive = {t.ident for t in threading.enumerate()}
+    with _lock:
+        mine = [v for v in _pending if v.site.thread == thread or v.site.thread not in alive]
+        _pending[:] = [v for v in _pending if v not in mine]
+    # A parameter is checked twice by jaxtyping (with the parameters, and again with
+    # the return value): report each distinct failure once.
+    return list({str(v): v for v in mine}.values())
+
+
+def _on_compile(event: str, duration: float, **kwargs) -> None:
+    # JAX reports each backend compile on the thread that asked for it, right after
+    # XLA returns: raising here makes the compiling call (a jitted call, or
+    # `.lower(...).compile()`) raise jaxshard's error, and the program is not cached.
+    del duration
+    if event != _BACKEND_COMPILE_EVENT or not _pending:
+        return
+    violations = take_violations()
+    if violations:
+        program = kwargs.get("fun_name", "the program")
+        raise ShardingError(format_violations(violations, program))
+
+
+def format_violations(violations: list[Violation], program: str) -> str:
+    count = len(violations)
+    head = (
+        f"{count} sharding contract{'s' if count > 1 else ''} violated in {program}, "
+        "found when XLA compiled it:"
+    )
+    return "\n".join([head, *(f"- {v}" for v in violations)])
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_compile)
