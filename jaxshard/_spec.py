@@ -44,13 +44,7 @@ def validate_spec(spec: Any, num_dims: int, variadic: bool) -> PartitionSpec:
         )
     seen: set[str] = set()
     for entry in spec:
-        names = axes_of(entry)
-        if isinstance(entry, tuple) and not names:
-            raise AnnotationError(
-                f"The partition spec {format_spec(spec)} has an empty tuple of axes; "
-                "write `None` for a dimension that is not sharded."
-            )
-        for name in names:
+        for name in axes_of(entry):
             if not isinstance(name, str):
                 raise AnnotationError(
                     f"The partition spec {format_spec(spec)} has {name!r} where a mesh "

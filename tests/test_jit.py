@@ -1,0 +1,258 @@
+"""Inside `jax.jit`: at trace time on Explicit meshes, at compile time on Auto meshes."""
+
+import beartype
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import pytest
+from helpers import hlo_ops, put
+from jax import Array
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxshard
+from jaxshard import Float
+
+
+def layer(jaxtyped=jaxshard.jaxtyped, typechecker=beartype.beartype):
+    @jaxtyped(typechecker=typechecker)
+    def f(
+        x: Float[Array, "batch d", P("dp", None)], w: Float[Array, "d h", P(None, "tp")]
+    ) -> Float[Array, "batch h", P("dp", "tp")]:
+        return x @ w
+
+    return f
+
+
+def test_explicit_checked_at_trace_time(typechecker, jaxtyped, explicit_mesh):
+    f = layer(jaxtyped, typechecker)
+    x = put((8, 4), explicit_mesh, P("dp", None))
+    w = put((4, 6), explicit_mesh, P(None, "tp"))
+    with jax.set_mesh(explicit_mesh):
+        assert jax.jit(f)(x, w).shape == (8, 6)
+        bad = put((8, 4), explicit_mesh, P(None, "tp"))
+        with pytest.raises(jaxtyping.TypeCheckError):
+            jax.jit(f).trace(bad, w)  # tracing alone finds it
+    # no mesh in context: the mesh comes from the arrays
+    assert jax.jit(f)(x, w).shape == (8, 6)
+    with pytest.raises(jaxtyping.TypeCheckError):
+        jax.jit(f)(bad, w)
+
+
+def test_explicit_message(explicit_mesh):
+    f = layer()
+    w = put((4, 6), explicit_mesh, P(None, "tp"))
+    with pytest.raises(jaxshard.ShardingError) as info:
+        jax.jit(f)(put((8, 4), explicit_mesh, P(None, "tp")), w)
+    msg = str(info.value)
+    for fragment in ["parameter 'x'", "P('dp', None)", "sharded as P(None, 'tp')",
+                     "{'dp': 4, 'tp': 2}", "float32[8,4@tp]"]:
+        assert fragment in msg, fragment
+
+
+def test_explicit_intermediate_return(explicit_mesh):
+    @jaxshard.jaxtyped(typechecker=beartype.beartype)
+    def g(x: Float[Array, "b d", P("dp")]) -> Float[Array, "d b", P("dp")]:
+        return x.T  # explicit sharding follows the transpose: P(None, 'dp')
+
+    with pytest.raises(jaxshard.ShardingError, match="the return value"):
+        jax.jit(g)(put((8, 4), explicit_mesh, P("dp")))
+
+
+def test_auto_checked_at_compile_time(typechecker, jaxtyped, auto_mesh):
+    f = layer(jaxtyped, typechecker)
+    x = put((8, 4), auto_mesh, P("dp", None))
+    w = put((4, 6), auto_mesh, P(None, "tp"))
+    assert jax.jit(f)(x, w).shape == (8, 6)
+    bad = put((8, 4), auto_mesh, P(None, "tp"))
+    traced = jax.jit(f).trace(bad, w)  # tracing can't know yet
+    lowered = traced.lower()
+    with pytest.raises(jaxshard.ShardingError) as info:
+        lowered.compile()
+    assert "Error calling inspect_sharding" not in str(info.value)
+    with pytest.raises(jaxshard.ShardingError):
+        jax.jit(f)(bad, w)
+
+
+def test_auto_message_lists_every_violation(auto_mesh):
+    f = layer()
+    x = put((8, 4), auto_mesh, P(None, "tp"))
+    w = put((4, 6), auto_mesh, P("dp", None))
+    with pytest.raises(jaxshard.ShardingError) as info:
+        jax.jit(f)(x, w)
+    msg = str(info.value)
+    assert "violated in jit(f)" in msg
+    assert "parameter 'x'" in msg and "parameter 'w'" in msg
+    assert "the return value" in msg
+    assert msg.count("parameter 'x'") == 1  # reported once though checked twice
+    for fragment in ["test_jit.layer.<locals>.f", "P('dp', None)", "P(None, 'tp')",
+                     "{'dp': 4, 'tp': 2}", "float32[8,4]", "after XLA's sharding"]:
+        assert fragment in msg, fragment
+    # The failed compile was not cached: the next call checks again.
+    with pytest.raises(jaxshard.ShardingError):
+        jax.jit(f)(x, w)
+
+
+def test_auto_with_set_mesh_and_in_shardings(auto_mesh):
+    f = layer()
+    x = jnp.ones((8, 4))
+    w = jnp.ones((4, 6))
+    with jax.set_mesh(auto_mesh):
+        good = jax.jit(f, in_shardings=(P("dp", None), P(None, "tp")))
+        assert good(x, w).shape == (8, 6)
+        bad = jax.jit(f, in_shardings=(P("tp", None), P(None, "tp")))
+        with pytest.raises(jaxshard.ShardingError, match="parameter 'x'"):
+            bad(x, w)
+
+
+def test_auto_propagated_intermediate(auto_mesh):
+    """XLA's propagation decides the sharding of an unconstrained intermediate."""
+
+    @jaxshard.jaxtyped(typechecker=beartype.beartype)
+    def inner(h: Float[Array, "b h", P("dp", "tp")]) -> Float[Array, "b h", P("dp", "tp")]:
+        return jnp.tanh(h)
+
+    def step(x, w):
+        return inner(x @ w).sum()
+
+    x = put((8, 4), auto_mesh, P("dp", None))
+    w = put((4, 6), auto_mesh, P(None, "tp"))
+    jax.jit(step)(x, w)
+    with pytest.raises(jaxshard.ShardingError, match="parameter 'h'"):
+        jax.jit(step)(x, put((4, 6), auto_mesh, P(None, None)))
+
+
+def test_checks_add_no_operations_and_keep_the_fast_path(auto_mesh):
+    f = layer()
+
+    def plain(x, w):
+        return x @ w
+
+    x = put((8, 4), auto_mesh, P("dp", None))
+    w = put((4, 6), auto_mesh, P(None, "tp"))
+    checked_hlo = jax.jit(f).lower(x, w).compile().as_text()
+    plain_hlo = jax.jit(plain).lower(x, w).compile().as_text()
+    assert hlo_ops(checked_hlo) == hlo_ops(plain_hlo)
+    assert "InspectSharding" not in checked_hlo
+    # No effect in the jaxpr, so jit's C++ fast dispatch stays on.
+    assert not jax.make_jaxpr(f)(x, w).effects
+
+
+def test_sharding_off_leaves_no_probe(auto_mesh):
+    f = layer()
+    x = put((8, 4), auto_mesh, P(None, "tp"))
+    w = put((4, 6), auto_mesh, P(None, "tp"))
+    with jaxshard.config(sharding="off"):
+        jaxpr = jax.make_jaxpr(f)(x, w)
+        assert jax.jit(f)(x, w).shape == (8, 6)
+    assert "jaxshard_sharding_probe" not in str(jaxpr)
+
+
+# --- transformations ----------------------------------------------------------------
+
+
+@jaxshard.jaxtyped(typechecker=beartype.beartype)
+def row_fn(r: Float[Array, "d", P("tp")]) -> Float[Array, "d", P("tp")]:
+    return r * 2
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_vmap_removes_the_mapped_dimension(kind, explicit_mesh, auto_mesh):
+    mesh = explicit_mesh if kind == "explicit" else auto_mesh
+    x = put((8, 4), mesh, P("dp", "tp"))
+    assert jax.jit(jax.vmap(row_fn))(x).shape == (8, 4)
+    bad = put((8, 4), mesh, P("tp", "dp"))
+    with pytest.raises(jaxtyping.TypeCheckError):
+        jax.jit(jax.vmap(row_fn))(bad)
+    # mapped over the second dimension: each slice is a column, sharded over dp
+    with pytest.raises(jaxtyping.TypeCheckError):
+        jax.jit(jax.vmap(row_fn, in_axes=1, out_axes=1))(x)
+    y = put((4, 8), mesh, P("tp", "dp"))
+    assert jax.jit(jax.vmap(row_fn, in_axes=1, out_axes=1))(y).shape == (4, 8)
+
+
+def test_nested_vmap_auto(auto_mesh):
+    x = put((2, 8, 4), auto_mesh, P(None, "dp", "tp"))
+    assert jax.jit(jax.vmap(jax.vmap(row_fn)))(x).shape == (2, 8, 4)
+    # mapped over dims 2 then 1: each example is z[:, j, i], sharded like z's dim 0
+    nested = jax.jit(jax.vmap(jax.vmap(row_fn, in_axes=1), in_axes=2))
+    assert nested(put((4, 2, 8), auto_mesh, P("tp", None, "dp"))).shape == (8, 2, 4)
+    with pytest.raises(jaxshard.ShardingError):
+        nested(put((4, 2, 8), auto_mesh, P("dp", None, "tp")))
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_grad_scan_while_cond_nested_jit_remat(kind, explicit_mesh, auto_mesh):
+    """Checks run inside every transformation: no crash, no false alarm, and a
+    mis-sharded value is still caught."""
+    mesh = explicit_mesh if kind == "explicit" else auto_mesh
+
+    @jaxshard.jaxtyped(typechecker=beartype.beartype)
+    def g(x: Float[Array, "b d", P("dp", None)]) -> Float[Array, "b d", P("dp", None)]:
+        return jnp.sin(x)
+
+    programs = {
+        "grad": lambda x: jax.grad(lambda x: g(x).sum())(x),
+        "nested jit": lambda x: jax.jit(g)(x) + 1,
+        "remat": lambda x: jax.checkpoint(g)(x),
+        "grad remat": lambda x: jax.grad(lambda x: jax.checkpoint(g)(x).sum())(x),
+        "cond": lambda x: jax.lax.cond(x.sum() > 0, g, lambda x: x, x),
+        "while": lambda x: jax.lax.while_loop(
+            lambda c: c[1] < 3, lambda c: (g(c[0]), c[1] + 1), (x, 0)
+        )[0],
+        "fori": lambda x: jax.lax.fori_loop(0, 3, lambda i, x: g(x), x),
+        "scan carry": lambda x: jax.lax.scan(lambda c, _: (g(c), None), x, None, 3)[0],
+    }
+    good = put((8, 4), mesh, P("dp", None))
+    bad = put((8, 4), mesh, P(None, "tp"))
+    for name, program in programs.items():
+        out = jax.jit(program)(good)
+        assert out.shape == (8, 4), name
+        if name in ("while", "fori", "scan carry", "cond") and kind == "explicit":
+            # loop carries must keep their sharding; jax rejects a mismatch itself
+            continue
+        with pytest.raises(jaxtyping.TypeCheckError):
+            jax.jit(program)(bad)
+
+
+def test_scan_body_sees_one_slice(auto_mesh):
+    @jaxshard.jaxtyped(typechecker=beartype.beartype)
+    def body(c, r: Float[Array, "d", P()]):
+        return c + r.sum(), r
+
+    xs = put((8, 4), auto_mesh, P(None, None))
+    jax.jit(lambda xs: jax.lax.scan(body, 0.0, xs))(xs)
+
+
+def test_legacy_with_mesh(auto_mesh):
+    import warnings
+
+    f = layer()
+    x = jnp.ones((8, 4))
+    w = jnp.ones((4, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with auto_mesh:
+            good = jax.jit(
+                f,
+                in_shardings=(
+                    NamedSharding(auto_mesh, P("dp", None)),
+                    NamedSharding(auto_mesh, P(None, "tp")),
+                ),
+            )
+            assert good(x, w).shape == (8, 6)
+
+
+def test_single_device_jit_passes_any_spec():
+    f = layer()
+    assert jax.jit(f)(jnp.ones((8, 4)), jnp.ones((4, 6))).shape == (8, 6)
+
+
+def test_mixed_axis_types():
+    mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    f = layer()
+    x = put((8, 4), mesh, P("dp", None))
+    w = put((4, 6), mesh, P(None, "tp"))
+    with jax.set_mesh(mesh):
+        assert jax.jit(f)(x, w).shape == (8, 6)
+        with pytest.raises(jaxshard.ShardingError):
+            jax.jit(f)(x, put((4, 6), mesh, P("dp", None)))
