@@ -56,6 +56,7 @@ class _MetaShardedArray(_MetaAbstractArray):
                 f"local shape {tuple(obj.shape)} is a global shape of {shape} under "
                 f"{format_spec(cls.spec)}; the annotation describes the global array)"
             )
+            _decorator.note_failure(obj, reason, sharding=False)
         return reason
 
     def __repr__(cls) -> str:

@@ -14,25 +14,26 @@ from ._errors import ShardingError
 
 class _Notes(threading.local):
     def __init__(self):
-        self.frames: list[list[tuple[str, str, str]]] = []
+        self.frames: list[list[tuple[str, str, str, bool]]] = []
 
 
 _notes = _Notes()
 
 
-def note_failure(obj: Any, reason: str) -> None:
-    """Records why a sharding check failed, for the enclosing `jaxshard.jaxtyped` call's
-    error message. Costs nothing when no such call is active."""
+def note_failure(obj: Any, reason: str, sharding: bool = True) -> None:
+    """Records why a check failed, for the enclosing `jaxshard.jaxtyped` call's error
+    message: a sharding check, or (`sharding=False`) the shape check of a `shard_map`
+    block. Costs nothing when no such call is active."""
     if _notes.frames:
         from ._sharding import where
 
         function, name = where(obj)
-        _notes.frames[-1].append((function, name, reason))
+        _notes.frames[-1].append((function, name, reason, sharding))
 
 
-def _details(notes: list[tuple[str, str, str]]) -> str:
+def _details(notes: list[tuple[str, str, str, bool]]) -> str:
     lines = ["----------------------", "Sharding:"]
-    for function, name, reason in dict.fromkeys(notes):
+    for function, name, reason, _ in dict.fromkeys(notes):
         what = "the return value" if name == "return" else f"parameter {name!r}"
         lines.append(f"- {function}, {what}: {reason}")
     return "\n".join(lines)
@@ -49,7 +50,8 @@ def _with_notes(checked, fn):
             notes = _notes.frames[-1]
             if not notes or isinstance(e, ShardingError):
                 raise
-            raise ShardingError(f"{e}\n{_details(notes)}") from e.__cause__
+            error = ShardingError if any(n[3] for n in notes) else TypeCheckError
+            raise error(f"{e}\n{_details(notes)}") from e.__cause__
         finally:
             _notes.frames.pop()
 

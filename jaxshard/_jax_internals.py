@@ -89,6 +89,23 @@ ad.primitive_jvps[probe_p] = _probe_jvp
 mlir.register_lowering(probe_p, _probe_lowering)
 
 
+def is_batched(x: Any) -> bool:
+    """True if `x` is (or wraps) a `vmap` tracer with a mapped dimension."""
+    from jax._src.interpreters import ad as ad_internal
+    from jax._src.interpreters import batching as batching_internal
+
+    while isinstance(x, jax.core.Tracer):
+        if isinstance(x, batching_internal.BatchTracer):
+            if x.batch_dim is not None:
+                return True
+            x = x.val
+        elif isinstance(x, ad_internal.JVPTracer):
+            x = x.primal
+        else:
+            return False
+    return False
+
+
 # --- the mesh in JAX's context ------------------------------------------------------
 
 

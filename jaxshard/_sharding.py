@@ -19,7 +19,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from . import _config
 from ._errors import ShardingError
-from ._jax_internals import bind_probe, checked_call, context_mesh
+from ._jax_internals import bind_probe, checked_call, context_mesh, is_batched
 from ._spec import axes_of, format_spec
 
 
@@ -161,7 +161,7 @@ def _check_traced(annotation, x) -> str:
     if not mesh.empty:
         types = set(mesh.axis_types)
         if AxisType.Manual in types:
-            return _check_manual(annotation.spec, aval, mesh)
+            return _check_manual(annotation.spec, aval, mesh, is_batched(x))
         if types == {AxisType.Explicit}:
             reason = compare(annotation.spec, aval.sharding, aval.ndim)
             return _phrase(aval.str_short(), reason) if reason else ""
@@ -169,8 +169,11 @@ def _check_traced(annotation, x) -> str:
     return ""
 
 
-def _check_manual(spec: PartitionSpec, aval, mesh) -> str:
-    """Inside `shard_map`: the value is one block of the global array."""
+def _check_manual(spec: PartitionSpec, aval, mesh, batched: bool) -> str:
+    """Inside `shard_map`: the value is one block of the global array.
+
+    Under `vmap` the mapped dimension may be what varies across devices, and it is not
+    part of the annotation: then only the axis names are checked."""
     reason = _missing_axes(spec, mesh)
     if reason:
         return _phrase(aval.str_short(), reason)
@@ -178,13 +181,27 @@ def _check_manual(spec: PartitionSpec, aval, mesh) -> str:
     mat = getattr(aval, "manual_axis_type", None)
     varying = set(getattr(mat, "varying", ()))
     extra = sorted(varying - named)
-    if extra:
+    if extra and not batched:
         return (
             f"this block ({aval.str_short()}) differs across the shard_map mesh "
             f"axes {', '.join(map(repr, extra))}, but the annotation's spec "
             f"{format_spec(spec)} says the array is replicated over them (mesh "
             f"{describe_mesh(mesh)})."
         )
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    if AxisType.Explicit in types.values() and AxisType.Auto not in types.values():
+        # A partly manual shard_map: the other axes are still in the type.
+        rest = PartitionSpec(
+            *(
+                e
+                if e is PartitionSpec.UNCONSTRAINED
+                else tuple(a for a in axes_of(e) if types[a] != AxisType.Manual) or None
+                for e in spec
+            )
+        )
+        reason = compare(rest, aval.sharding, aval.ndim)
+        if reason:
+            return _phrase(aval.str_short(), reason)
     return ""
 
 
