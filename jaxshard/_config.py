@@ -1,9 +1,20 @@
-"""The settings stack: `with jaxshard.config(sharding="off"): ...`, per thread."""
+"""The settings stack: `with jaxshard.config(sharding="off"): ...`, per thread.
+
+The settings live in a `jax.make_user_context`, so they are part of `jax.jit`'s cache
+key: a function traced with checks on is traced again when they are turned off, and
+the other way round.
+"""
 
 import contextlib
 import os
-import threading
 from collections.abc import Iterator
+from typing import NamedTuple
+
+import jax
+
+
+class Settings(NamedTuple):
+    sharding: str
 
 
 # name -> (environment variable, valid values; the first is the default)
@@ -30,28 +41,20 @@ def _validate(name: str, value: object, source: str) -> str:
     return value  # pyright: ignore[reportReturnType]
 
 
-def _process_defaults() -> dict[str, str]:
-    defaults = {}
+def _process_defaults() -> Settings:
+    values = {}
     for name, (env, valid) in _SETTINGS.items():
-        value = os.environ.get(env, valid[0]).strip().lower()
-        defaults[name] = _validate(name, value, f"`{env}`")
-    return defaults
+        value = os.environ.get(env, "").strip().lower() or valid[0]
+        values[name] = _validate(name, value, f"`{env}`")
+    return Settings(**values)
 
 
-_defaults = _process_defaults()
+_context = jax.make_user_context(default_value=_process_defaults())
 
 
-class _Stack(threading.local):
-    def __init__(self):
-        self.frames = [_defaults]
-
-
-_stack = _Stack()
-
-
-def get(name: str) -> str:
-    """The value of setting `name` in force in this thread."""
-    return _stack.frames[-1][name]
+def current() -> Settings:
+    """The settings in force in this thread."""
+    return _context.value
 
 
 @contextlib.contextmanager
@@ -60,14 +63,15 @@ def config(**settings: str) -> Iterator[None]:
 
     Scopes nest: leaving a block restores the settings that were in force when it was
     entered. Each thread starts from the process defaults, which come from environment
-    variables.
+    variables. The settings are part of `jax.jit`'s cache key, so a jitted function
+    called in a different scope is traced again.
 
     **Arguments:**
 
     - `sharding`: `"check"` (the default; environment variable `JAXSHARD_SHARDING`)
         checks the sharding part of annotations; `"off"` skips it, while dtype and
         shape are still checked. Inside `jax.jit` the setting in force when the function
-        is *traced* decides: a program traced with `"off"` carries no sharding checks.
+        is traced decides: a program traced with `"off"` carries no sharding checks.
 
     !!! Example
 
@@ -76,11 +80,11 @@ def config(**settings: str) -> Iterator[None]:
             step(params, batch)  # shapes and dtypes checked, shardings not
         ```
     """
-    frame = dict(_stack.frames[-1])
-    for name, value in settings.items():
-        frame[name] = _validate(name, value, f"jaxshard.config({name}=...)")
-    _stack.frames.append(frame)
-    try:
+    new = current()._replace(
+        **{
+            name: _validate(name, value, f"jaxshard.config({name}=...)")
+            for name, value in settings.items()
+        }
+    )
+    with _context(new):
         yield
-    finally:
-        _stack.frames.pop()

@@ -5,6 +5,7 @@ behaviour each function relies on, so a JAX upgrade that changes it fails there 
 """
 
 import sys
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import jaxtyping
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
+from jax._src.lib.mlir import ir
 
 
 # --- the sharding probe -------------------------------------------------------------
@@ -65,12 +67,25 @@ def _probe_jvp(primals, tangents, **params):
     return probe_p.bind(*primals, **params), []
 
 
+# The custom call carries the address of its Python callback, so a checked program's
+# key in JAX's persistent compilation cache already differs between processes. This
+# nonce makes that certain: a program is never loaded from the cache with its checks
+# skipped (a cache hit would not call the partitioner, so nothing would be checked).
+_NONCE = uuid.uuid4().hex
+
+
 def _probe_lowering(ctx, value, *, callback, batch_dims):
     from jax._src import debugging
 
-    return debugging._inspect_sharding_lowering_rule(
+    out = debugging._inspect_sharding_lowering_rule(
         ctx, value, callback=lambda sharding: callback(sharding, batch_dims)
     )
+    block = ir.InsertionPoint.current.block
+    if len(block.operations) and block.operations[-1].name == "stablehlo.custom_call":
+        block.operations[-1].attributes["mhlo.frontend_attributes"] = ir.DictAttr.get(
+            {"jaxshard_nonce": ir.StringAttr.get(_NONCE)}
+        )
+    return out
 
 
 def _register_probe():

@@ -126,7 +126,7 @@ def _phrase(array: str, reason: str) -> str:
 
 def check(annotation, obj: Any) -> str:
     """"" if `obj`'s sharding satisfies `annotation.spec`, else the reason it does not."""
-    if _config.get("sharding") == "off":
+    if _config.current().sharding == "off":
         return ""
     spec = annotation.spec
     if isinstance(obj, jax.core.Tracer):

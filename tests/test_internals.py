@@ -1,0 +1,147 @@
+"""The behaviour jaxshard relies on in JAX's and jaxtyping's internals."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import put
+from jax.sharding import PartitionSpec as P
+
+from jaxshard import _jax_internals as internals
+
+
+def test_probe_reports_the_propagated_sharding(auto_mesh):
+    seen = []
+
+    def f(x):
+        y = jnp.sin(x)
+        internals.bind_probe(y, lambda s, dims: seen.append((s.spec, dims)))
+        return x  # y is dead code: the probe must survive anyway
+
+    x = put((8, 4), auto_mesh, P("dp", "tp"))
+    jaxpr = jax.make_jaxpr(f)(x)
+    assert not jaxpr.effects
+    jax.jit(f).lower(x).compile()
+    assert seen == [(P("dp", "tp"), ())]
+
+
+def test_probe_under_vmap_records_batch_dims(auto_mesh):
+    seen = []
+    f = lambda r: internals.bind_probe(r, lambda s, dims: seen.append(dims)) or r
+    x = put((8, 4, 2), auto_mesh, P("dp"))
+    jax.jit(jax.vmap(jax.vmap(f, in_axes=1), in_axes=2)).lower(x).compile()
+    assert [set(d) for d in seen] == [{1, 2}]
+
+
+def test_probe_keeps_the_fast_path(auto_mesh):
+    """No effect in the program: jit's C++ dispatch handles the second call."""
+    f = jax.jit(lambda x: internals.bind_probe(x, lambda s, d: None) or x * 2)
+    x = put((8, 4), auto_mesh, P("dp"))
+    f(x)
+    f(x)
+    assert f._cache_size() == 1
+
+
+def test_checked_call_finds_jaxtyping_frames():
+    import beartype
+    import jaxtyping
+
+    seen = []
+
+    @jaxtyping.jaxtyped(typechecker=beartype.beartype)
+    def f(x: int, y: int = 3):
+        seen.append(internals.checked_call())
+        return x
+
+    f(1)
+    name, arguments, out = seen[0]
+    assert name.endswith("test_checked_call_finds_jaxtyping_frames.<locals>.f")
+    assert arguments == {"x": 1, "y": 3}
+    assert internals.checked_call() is None
+
+
+def test_context_mesh(explicit_mesh, auto_mesh):
+    import warnings
+
+    assert internals.context_mesh() is None
+    with jax.set_mesh(explicit_mesh):
+        assert internals.context_mesh() is explicit_mesh
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with auto_mesh:
+            assert internals.context_mesh() == auto_mesh
+
+
+def test_dim_memo_roundtrip():
+    import jaxtyping
+
+    with jaxtyping.jaxtyped("context"):
+        snap = internals.save_dim_memo()
+        assert isinstance(jnp.ones(3), jaxtyping.Float[jax.Array, "n"])
+        internals.restore_dim_memo(snap)
+        assert isinstance(jnp.ones(4), jaxtyping.Float[jax.Array, "n"])
+
+
+PERSISTENT_CACHE = textwrap.dedent(
+    """
+    import sys
+    import beartype, jax, jax.numpy as jnp
+    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    from jax import Array
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    import jaxshard
+    from jaxshard import Float
+    mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    @jaxshard.jaxtyped(typechecker=beartype.beartype)
+    def f(x: Float[Array, "b d", P("dp")]):
+        return x * 2
+    x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P(sys.argv[2] or None)))
+    try:
+        jax.jit(f)(x)
+        print("passed")
+    except jaxshard.ShardingError:
+        print("raised")
+    """
+)
+
+
+def test_persistent_cache_never_skips_a_check(tmp_path):
+    """A program compiled (and cached) by one process is checked again by the next."""
+
+    def run(axis):
+        result = subprocess.run(
+            [sys.executable, "-c", PERSISTENT_CACHE, str(tmp_path), axis],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+
+    assert [run("tp"), run("tp"), run("dp"), run("tp")] == ["raised", "raised", "passed", "raised"]
+    assert any(p.name.startswith("jit_f") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("event", ["/jax/core/compile/backend_compile_duration"])
+def test_compile_event_is_reported_on_the_compiling_thread(event, auto_mesh):
+    import threading
+
+    seen = []
+
+    def listener(name, duration, **kwargs):
+        if name == event:
+            seen.append(threading.get_ident())
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jax.jit(lambda x: x + 1).lower(put((8, 4), auto_mesh, P("dp"))).compile()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert seen == [threading.get_ident()]
