@@ -256,3 +256,49 @@ def test_mixed_axis_types():
         assert jax.jit(f)(x, w).shape == (8, 6)
         with pytest.raises(jaxshard.ShardingError):
             jax.jit(f)(x, put((4, 6), mesh, P("dp", None)))
+
+
+def test_checkify_does_not_break_the_probe(auto_mesh):
+    """`inspect_array_sharding` breaks under checkify (jax#26889); the probe does not."""
+    from jax.experimental import checkify
+
+    @jaxshard.jaxtyped(typechecker=beartype.beartype)
+    def f(x: Float[Array, "b d", P("dp")]):
+        checkify.check(jnp.all(x > 0), "x must be positive")
+        return x * 2
+
+    err, _ = jax.jit(checkify.checkify(f))(put((8, 4), auto_mesh, P("dp")))
+    assert err.get() is None
+    with pytest.raises(jaxshard.ShardingError):
+        jax.jit(checkify.checkify(f))(put((8, 4), auto_mesh, P("tp")))
+
+
+def test_compile_time_errors_go_to_the_thread_that_compiled(auto_mesh):
+    import threading
+
+    outcomes = {}
+    barrier = threading.Barrier(2)
+
+    def work(spec, key):
+        @jaxshard.jaxtyped(typechecker=beartype.beartype)
+        def f(x: Float[Array, "b d", P("dp")]):
+            return jnp.sin(x) * 2
+
+        x = put((8, 4), auto_mesh, spec)
+        barrier.wait()
+        try:
+            for _ in range(5):
+                jax.jit(lambda x: f(x) + 1).lower(x).compile()
+            outcomes[key] = "passed"
+        except jaxshard.ShardingError:
+            outcomes[key] = "raised"
+
+    threads = [
+        threading.Thread(target=work, args=(P("dp"), "good")),
+        threading.Thread(target=work, args=(P("tp"), "bad")),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes == {"good": "passed", "bad": "raised"}
