@@ -120,7 +120,8 @@ def sharded(dtype: Any, text: str, *, array_type: Any = jax.Array) -> Any:
 
     **Arguments:**
 
-    - `dtype`: a dtype class, e.g. `jaxshard.Float` (jaxtyping's own work too).
+    - `dtype`: a dtype class, e.g. `jaxshard.Float` (jaxtyping's own dtype classes
+        work too).
     - `text`: the dimensions, e.g. `"[batch/dp] seqlen [heads/(tp,fsdp)] d"`.
     - `array_type`: keyword-only, the array type; `jax.Array` by default.
 
@@ -148,8 +149,24 @@ def sharded(dtype: Any, text: str, *, array_type: Any = jax.Array) -> Any:
 
 
 def partition_spec(annotation: Any) -> PartitionSpec | None:
-    """The partition spec of a sharded annotation, or `None` for a plain one."""
-    return getattr(annotation, "spec", None) if isinstance(annotation, _MetaShardedArray) else None
+    """The partition spec of a sharded annotation.
+
+    **Arguments:**
+
+    - `annotation`: e.g. `Float[Array, "batch d", P("dp", None)]`, or a union of
+        annotations that share one spec (as `Float[Array | np.ndarray, ...]` makes).
+
+    **Returns:**
+
+    The `PartitionSpec`, or `None` for an annotation that states no sharding.
+    """
+    if isinstance(annotation, _MetaShardedArray):
+        return annotation.spec
+    if get_origin(annotation) in _union_types:
+        specs = {partition_spec(a) for a in get_args(annotation)} - {None}
+        if len(specs) == 1:
+            return specs.pop()
+    return None
 
 
 UInt2 = _sharded_dtype(jaxtyping.UInt2)

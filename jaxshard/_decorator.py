@@ -34,6 +34,9 @@ def note_failure(obj: Any, reason: str, sharding: bool = True) -> None:
 def _details(notes: list[tuple[str, str, str, bool]]) -> str:
     lines = ["----------------------", "Sharding:"]
     for function, name, reason, _ in dict.fromkeys(notes):
+        if function is None:
+            lines.append(f"- {reason}")
+            continue
         what = "the return value" if name == "return" else f"parameter {name!r}"
         lines.append(f"- {function}, {what}: {reason}")
     return "\n".join(lines)

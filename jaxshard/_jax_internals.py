@@ -67,13 +67,10 @@ def _probe_jvp(primals, tangents, **params):
     return probe_p.bind(*primals, **params), []
 
 
-# The custom call carries the address of its Python callback, so a checked program's
-# key in JAX's persistent compilation cache already differs between processes. This
-# nonce makes that certain: a program is never loaded from the cache with its checks
-# skipped (a cache hit would not call the partitioner, so nothing would be checked).
-_NONCE = uuid.uuid4().hex
-
-
+# A cache hit in JAX's persistent compilation cache would skip the partitioner, and so
+# the check. The custom call carries its callback's address, which can repeat (in
+# another process, or after `jax.clear_caches()`), so each lowering also gets a nonce
+# of its own: a checked program's cache key never repeats, and it is always checked.
 def _probe_lowering(ctx, value, *, callback, batch_dims):
     from jax._src import debugging
 
@@ -83,7 +80,7 @@ def _probe_lowering(ctx, value, *, callback, batch_dims):
     block = ir.InsertionPoint.current.block
     if len(block.operations) and block.operations[-1].name == "stablehlo.custom_call":
         block.operations[-1].attributes["mhlo.frontend_attributes"] = ir.DictAttr.get(
-            {"jaxshard_nonce": ir.StringAttr.get(_NONCE)}
+            {"jaxshard_nonce": ir.StringAttr.get(uuid.uuid4().hex)}
         )
     return out
 
@@ -125,8 +122,8 @@ def is_batched(x: Any) -> bool:
 
 
 def context_mesh() -> jax.sharding.Mesh | None:
-    """The concrete mesh set by `jax.set_mesh` (or `use_mesh`, or the legacy `with
-    mesh:`), or `None` when there is none."""
+    """The concrete mesh set by `jax.set_mesh` (or the legacy `with mesh:`), or
+    `None` when there is none."""
     mesh = jax.sharding.get_mesh()
     if not mesh.empty:
         return mesh

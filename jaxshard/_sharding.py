@@ -36,20 +36,22 @@ def describe_array(dtype, shape) -> str:
     return f"{dtype}[{','.join(map(str, shape))}]"
 
 
-def describe_sharding(sharding, ndim: int) -> str:
+def describe_sharding(sharding) -> str:
+    """How an array is laid out, as the end of "this array is ..."."""
     if isinstance(sharding, NamedSharding):
-        return format_spec(sharding.spec)
+        return f"sharded as {format_spec(sharding.spec)}"
     devices = sharding.device_set
     if len(devices) == 1:
         return f"on one device ({next(iter(devices))})"
-    return repr(sharding)
+    return f"laid out by {sharding!r}"
 
 
-def where(obj: Any) -> tuple[str, str]:
-    """`(function, parameter)` naming the value being checked, for error messages."""
+def where(obj: Any) -> tuple[str | None, str | None]:
+    """`(function, parameter)` naming the value being checked, for error messages;
+    `(None, None)` outside any `jaxtyped` function."""
     call = checked_call()
     if call is None:
-        return "<no jaxtyped function>", "<value>"
+        return None, None
     function, arguments, out = call
     for name, value in arguments.items():
         if value is obj:
@@ -110,13 +112,13 @@ def compare(spec: PartitionSpec, actual, ndim: int, mesh=None) -> str:
     if expected.is_equivalent_to(actual, ndim):
         return ""
     return (
-        f"is sharded as {describe_sharding(actual, ndim)}, but the annotation expects "
+        f"is {describe_sharding(actual)}, but the annotation expects "
         f"{format_spec(spec)}, on mesh {describe_mesh(mesh)}"
     )
 
 
 def _phrase(array: str, reason: str) -> str:
-    if reason.startswith("is sharded"):
+    if reason.startswith("is "):
         return f"this array ({array}) {reason}."
     return f"{reason} (array {array})."
 
@@ -237,20 +239,24 @@ class Site:
     array: str
     ndim: int
     thread: int
+    axis_types: dict  # of the mesh at trace time: the compiled program's mesh has none
 
 
 @dataclasses.dataclass(frozen=True)
 class Violation:
     site: Site
-    actual: str
+    actual: Any  # the sharding XLA chose
     reason: str
 
     def __str__(self):
         site = self.site
-        return (
-            f"{site.function}, {'the return value' if site.name == 'return' else 'parameter ' + repr(site.name)}"
-            f" ({site.array}, annotated {site.annotation}): {self.reason}"
-        )
+        if site.function is None:
+            what = "a value checked with isinstance outside any jaxtyped function"
+        elif site.name == "return":
+            what = f"{site.function}, the return value"
+        else:
+            what = f"{site.function}, parameter {site.name!r}"
+        return f"{what} ({site.array}, annotated {site.annotation}): {self.reason}"
 
 
 _lock = threading.Lock()
@@ -267,6 +273,7 @@ def _add_probe(annotation, x, aval) -> None:
         array=aval.str_short(),
         ndim=aval.ndim,
         thread=threading.get_ident(),
+        axis_types=dict(zip(aval.sharding.mesh.axis_names, aval.sharding.mesh.axis_types)),
     )
     bind_probe(x, ft.partial(_on_sharding, site))
 
@@ -284,6 +291,10 @@ def _on_sharding(site: Site, sharding, batch_dims: tuple[int, ...]) -> None:
     # `JaxRuntimeError: INTERNAL: Error calling inspect_sharding`); record instead.
     sharding = _strip(sharding, batch_dims, site.ndim)
     if isinstance(sharding, NamedSharding):
+        mesh = sharding.mesh
+        if set(site.axis_types) == set(mesh.axis_names):
+            types = tuple(site.axis_types[a] for a in mesh.axis_names)
+            sharding = NamedSharding(mesh.update(axis_types=types), sharding.spec)
         reason = compare(site.spec, sharding, site.ndim)
     elif len(sharding.device_set) == 1:
         reason = ""
@@ -294,9 +305,9 @@ def _on_sharding(site: Site, sharding, batch_dims: tuple[int, ...]) -> None:
             "`with jax.set_mesh(mesh):`"
         )
     if reason:
-        if reason.startswith("is sharded"):
+        if reason.startswith("is "):
             reason = "after XLA's sharding propagation it " + reason
-        violation = Violation(site, describe_sharding(sharding, site.ndim), reason + ".")
+        violation = Violation(site, sharding, reason + ".")
         with _lock:
             _pending.append(violation)
 

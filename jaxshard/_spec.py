@@ -107,7 +107,13 @@ def parse_compact(text: str) -> tuple[str, PartitionSpec]:
                 entry = names
             else:
                 entry = axes
-        if dim.startswith("*") or dim == "...":
+        if dim.lstrip("#?_").startswith("*") or dim == "...":
+            if entry is not None:
+                raise AnnotationError(
+                    f"In {text!r} the variadic dimension {dim!r} is sharded, but a "
+                    "PartitionSpec shards single dimensions. Shard the dimensions "
+                    "before it, or use the long form with an explicit spec."
+                )
             variadic_at = len(dims)
         elif entry is not None and variadic_at is not None:
             raise AnnotationError(

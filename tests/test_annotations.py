@@ -64,6 +64,7 @@ def test_union_members_each_get_the_spec():
     ann = Float[Array | np.ndarray, "b", P("dp")]
     members = ann.__args__
     assert [jaxshard.partition_spec(m) for m in members] == [P("dp"), P("dp")]
+    assert jaxshard.partition_spec(ann) == P("dp")
     scalar = Float[Array | float, "", P()]
     assert float in scalar.__args__
 
@@ -137,6 +138,7 @@ def test_compact_syntax_array_type_keyword_and_jaxtyping_dtype():
         ("[b/()]", "tuple of mesh axis names"),
         ("b] d", "unbalanced bracket"),
         ("*rest [d/tp]", "comes after the variadic"),
+        ("[*b/dp] d", "variadic dimension '\\*b' is sharded"),
         ("[a/dp] [b/dp]", "uses mesh axis 'dp' twice"),
     ],
 )

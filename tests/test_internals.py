@@ -103,11 +103,13 @@ PERSISTENT_CACHE = textwrap.dedent(
     def f(x: Float[Array, "b d", P("dp")]):
         return x * 2
     x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P(sys.argv[2] or None)))
-    try:
-        jax.jit(f)(x)
-        print("passed")
-    except jaxshard.ShardingError:
-        print("raised")
+    for _ in range(3):  # the same program again, after dropping the in-memory caches
+        try:
+            jax.jit(f)(x)
+            print("passed")
+        except jaxshard.ShardingError:
+            print("raised")
+        jax.clear_caches()
     """
 )
 
@@ -123,7 +125,8 @@ def test_persistent_cache_never_skips_a_check(tmp_path):
             env={**os.environ, "JAX_PLATFORMS": "cpu"},
         )
         assert result.returncode == 0, result.stderr
-        return result.stdout.strip()
+        (outcome,) = set(result.stdout.split())
+        return outcome
 
     assert [run("tp"), run("tp"), run("dp"), run("tp")] == ["raised", "raised", "passed", "raised"]
     assert any(p.name.startswith("jit_f") for p in tmp_path.iterdir())

@@ -302,3 +302,18 @@ def test_compile_time_errors_go_to_the_thread_that_compiled(auto_mesh):
     for t in threads:
         t.join()
     assert outcomes == {"good": "passed", "bad": "raised"}
+
+
+def test_messages_outside_jaxtyped_and_on_mixed_meshes():
+    mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    ann = Float[Array, "b d", P("dp", "tp")]
+
+    def f(x):
+        assert isinstance(x, ann)  # passes at trace time: decided at compile time
+        return x
+
+    with jax.set_mesh(mesh), pytest.raises(jaxshard.ShardingError) as info:
+        jax.jit(f)(put((8, 4), mesh, P("dp", None)))
+    msg = str(info.value)
+    assert "a value checked with isinstance outside any jaxtyped function" in msg
+    assert "(Auto/Explicit axes)" in msg
