@@ -19,7 +19,7 @@ def tests(session):
 @nox.session
 def demo(session):
     """A data- and tensor-parallel model whose contracts hold, then a mis-sharded call."""
-    session.install("-e", ".")
+    session.install("-e", ".", "beartype")
     session.run("python", "examples/demo.py", env=EIGHT_CPU_DEVICES)
 
 

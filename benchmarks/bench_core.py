@@ -175,7 +175,8 @@ def first_call(mesh) -> list[list[float]]:
         return time.perf_counter() - start
 
     with jax.set_mesh(mesh):
-        compile_and_run(True), compile_and_run(False)  # lazy initialisation
+        for checked in (True, False):  # lazy initialisation
+            compile_and_run(checked)
         return side_by_side(
             lambda: compile_and_run(True),
             lambda: compile_and_run(False),
@@ -195,18 +196,21 @@ def eager(mesh) -> list[list[float]]:
 
     sharded = jaxshard.jaxtyped(sharded, typechecker=beartype)
     plain = jaxtyping.jaxtyped(plain, typechecker=beartype)
-    ns = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-    args = (
-        jax.device_put(jnp.ones((8, 4)), ns(P("dp", None))),
-        jax.device_put(jnp.ones((4, 8)), ns(P(None, "tp"))),
-        jax.device_put(jnp.ones((8, 4)), ns(P("tp", None))),
-    )
+    shapes_specs = [
+        ((8, 4), P("dp", None)),
+        ((4, 8), P(None, "tp")),
+        ((8, 4), P("tp", None)),
+    ]
+    args = [
+        jax.device_put(jnp.ones(s), NamedSharding(mesh, p)) for s, p in shapes_specs
+    ]
 
     def timed(fn):
         return lambda: per_call(fn, args, EAGER_CALLS)
 
     runs = [timed(fn) for fn in (sharded, plain, f)]
-    [run() for run in runs]  # warm up
+    for run in runs:  # warm up
+        run()
     return side_by_side(*runs, rounds=ROUNDS["eager"])
 
 

@@ -35,21 +35,40 @@ class _MetaShardedArray(_MetaAbstractArray):
     spec: PartitionSpec
 
     def __instancecheck_str__(cls, obj: Any) -> str:
-        snapshot = save_dim_memo()
-        reason = super().__instancecheck_str__(obj)
-        if reason or in_tree_flatten():
-            return reason
-        reason = _sharding.check(cls, obj)
+        if isinstance(obj, jax.core.Tracer):
+            # Checking a tracer may leave a probe in the program: only once the
+            # dtype and shape are known to be right.
+            snapshot = save_dim_memo()
+            reason = _MetaAbstractArray.__instancecheck_str__(cls, obj)
+            if reason or in_tree_flatten():
+                return reason
+            reason = _sharding.check(cls, obj)
+        else:
+            # A concrete array's check has no side effect: do it first, so that the
+            # common passing case needs no snapshot of jaxtyping's dim bindings.
+            reason = _sharding.check(cls, obj)
+            if not reason:
+                return _MetaAbstractArray.__instancecheck_str__(cls, obj)
+            snapshot = save_dim_memo()
+            plain = _MetaAbstractArray.__instancecheck_str__(cls, obj)
+            if plain or in_tree_flatten():
+                return plain
         if reason:
             restore_dim_memo(snapshot)
             _decorator.note_failure(obj, reason)
         return reason
 
     def _check_shape(cls, obj, single_memo, variadic_memo, arg_memo) -> str:
-        shape = _sharding.global_shape(cls.spec, obj)
+        shape = None
+        if isinstance(obj, jax.core.Tracer):
+            shape = _sharding.global_shape(cls.spec, obj)
         if shape is None or shape == tuple(obj.shape):
-            return super()._check_shape(obj, single_memo, variadic_memo, arg_memo)
-        reason = super()._check_shape(_Shape(shape), single_memo, variadic_memo, arg_memo)
+            return _MetaAbstractArray._check_shape(
+                cls, obj, single_memo, variadic_memo, arg_memo
+            )
+        reason = _MetaAbstractArray._check_shape(
+            cls, _Shape(shape), single_memo, variadic_memo, arg_memo
+        )
         if reason:
             reason += (
                 f" (inside shard_map this value is one block of the global array: its "

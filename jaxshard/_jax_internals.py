@@ -5,6 +5,7 @@ behaviour each function relies on, so a JAX upgrade that changes it fails there 
 """
 
 import sys
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -30,17 +31,19 @@ probe_p = Primitive("jaxshard_sharding_probe")
 probe_p.multiple_results = True
 
 
-def bind_probe(value, callback: Callable[[Any, tuple[int, ...]], None]) -> None:
-    """Calls `callback(sharding, batch_dims)` with the sharding XLA gives `value`.
+def bind_probe(value, callback: Callable[[Any, tuple[int, ...], int], None]) -> None:
+    """Calls `callback(sharding, batch_dims, lowered_on)` with the sharding XLA gives
+    `value`, when the program is compiled (on an XLA thread).
 
     `batch_dims` are the positions of `vmap`-added dimensions in that sharding, which
-    are not part of the annotation. The call happens when the program is compiled.
+    are not part of the annotation; `lowered_on` is the id of the thread that lowered
+    the program.
     """
     probe_p.bind(value, callback=callback, batch_dims=())
 
 
 def _probe_impl(value, *, callback, batch_dims):
-    callback(value.sharding, batch_dims)
+    callback(value.sharding, batch_dims, threading.get_ident())
     return []
 
 
@@ -74,8 +77,9 @@ def _probe_jvp(primals, tangents, **params):
 def _probe_lowering(ctx, value, *, callback, batch_dims):
     from jax._src import debugging
 
+    thread = threading.get_ident()
     out = debugging._inspect_sharding_lowering_rule(
-        ctx, value, callback=lambda sharding: callback(sharding, batch_dims)
+        ctx, value, callback=lambda sharding: callback(sharding, batch_dims, thread)
     )
     block = ir.InsertionPoint.current.block
     if len(block.operations) and block.operations[-1].name == "stablehlo.custom_call":

@@ -36,10 +36,11 @@ def describe_array(dtype, shape) -> str:
     return f"{dtype}[{','.join(map(str, shape))}]"
 
 
-def describe_sharding(sharding) -> str:
+def describe_sharding(sharding, ndim: int) -> str:
     """How an array is laid out, as the end of "this array is ..."."""
     if isinstance(sharding, NamedSharding):
-        return f"sharded as {format_spec(sharding.spec)}"
+        spec = PartitionSpec(*sharding.spec, *[None] * (ndim - len(sharding.spec)))
+        return f"sharded as {format_spec(spec)}"
     devices = sharding.device_set
     if len(devices) == 1:
         return f"on one device ({next(iter(devices))})"
@@ -112,7 +113,7 @@ def compare(spec: PartitionSpec, actual, ndim: int, mesh=None) -> str:
     if expected.is_equivalent_to(actual, ndim):
         return ""
     return (
-        f"is {describe_sharding(actual)}, but the annotation expects "
+        f"is {describe_sharding(actual, ndim)}, but the annotation expects "
         f"{format_spec(spec)}, on mesh {describe_mesh(mesh)}"
     )
 
@@ -208,9 +209,8 @@ def _check_manual(spec: PartitionSpec, aval, mesh, batched: bool) -> str:
 
 
 def global_shape(spec: PartitionSpec, obj: Any) -> tuple[int, ...] | None:
-    """Inside `shard_map`, the global shape of which `obj` is one block; else None."""
-    if not isinstance(obj, jax.core.Tracer):
-        return None
+    """Inside `shard_map`, the global shape of which the tracer `obj` is one block;
+    else None."""
     aval = jax.typeof(obj)
     mesh = aval.sharding.mesh
     if mesh.empty or AxisType.Manual not in mesh.axis_types:
@@ -238,7 +238,6 @@ class Site:
     spec: PartitionSpec
     array: str
     ndim: int
-    thread: int
     axis_types: dict  # of the mesh at trace time: the compiled program's mesh has none
 
 
@@ -247,6 +246,7 @@ class Violation:
     site: Site
     actual: Any  # the sharding XLA chose
     reason: str
+    thread: int  # that compiled the program, to which the violation is reported
 
     def __str__(self):
         site = self.site
@@ -261,6 +261,7 @@ class Violation:
 
 _lock = threading.Lock()
 _pending: list[Violation] = []
+_compiling: dict[int, int] = {}  # thread id -> how many compiles it has under way
 
 
 def _add_probe(annotation, x, aval) -> None:
@@ -272,7 +273,6 @@ def _add_probe(annotation, x, aval) -> None:
         spec=annotation.spec,
         array=aval.str_short(),
         ndim=aval.ndim,
-        thread=threading.get_ident(),
         axis_types=dict(zip(aval.sharding.mesh.axis_names, aval.sharding.mesh.axis_types)),
     )
     bind_probe(x, ft.partial(_on_sharding, site))
@@ -286,7 +286,7 @@ def _strip(sharding, batch_dims: tuple[int, ...], ndim: int):
     return NamedSharding(sharding.mesh, PartitionSpec(*kept))
 
 
-def _on_sharding(site: Site, sharding, batch_dims: tuple[int, ...]) -> None:
+def _on_sharding(site: Site, sharding, batch_dims: tuple[int, ...], lowered_on: int) -> None:
     # Runs on an XLA compiler thread: never raise here (XLA would wrap the error in
     # `JaxRuntimeError: INTERNAL: Error calling inspect_sharding`); record instead.
     sharding = _strip(sharding, batch_dims, site.ndim)
@@ -307,37 +307,58 @@ def _on_sharding(site: Site, sharding, batch_dims: tuple[int, ...]) -> None:
     if reason:
         if reason.startswith("is "):
             reason = "after XLA's sharding propagation it " + reason
-        violation = Violation(site, sharding, reason + ".")
         with _lock:
-            _pending.append(violation)
+            # The compiling thread waits for XLA, so it is one of those compiling now:
+            # the one that lowered the program, or else the only one.
+            compiling = list(_compiling)
+            thread = lowered_on
+            if lowered_on not in _compiling and len(compiling) == 1:
+                (thread,) = compiling
+            _pending.append(Violation(site, sharding, reason + ".", thread))
 
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 def take_violations(thread: int | None = None) -> list[Violation]:
-    """Removes and returns the violations recorded for programs traced by `thread`
+    """Removes and returns the violations recorded for programs compiled by `thread`
     (default: this one) or by threads that have ended."""
     if not _pending:
         return []
     thread = threading.get_ident() if thread is None else thread
     alive = {t.ident for t in threading.enumerate()}
     with _lock:
-        mine = [v for v in _pending if v.site.thread == thread or v.site.thread not in alive]
+        mine = [v for v in _pending if v.thread == thread or v.thread not in alive]
         _pending[:] = [v for v in _pending if v not in mine]
     # A parameter is checked twice by jaxtyping (with the parameters, and again with
     # the return value): report each distinct failure once.
     return list({str(v): v for v in mine}.values())
 
 
+def _on_compile_start(event: str, start: float, **kwargs) -> None:
+    del start, kwargs
+    if event == _BACKEND_COMPILE_EVENT:
+        thread = threading.get_ident()
+        with _lock:
+            _compiling[thread] = _compiling.get(thread, 0) + 1
+
+
 def _on_compile(event: str, duration: float, **kwargs) -> None:
     # JAX reports each backend compile on the thread that asked for it, right after
     # XLA returns: raising here makes the compiling call (a jitted call, or
-    # `.lower(...).compile()`) raise jaxshard's error, and the program is not cached.
+    # `.lower(...).compile()`) raise jaxshard's error, and the program is not kept.
     del duration
-    if event != _BACKEND_COMPILE_EVENT or not _pending:
+    if event != _BACKEND_COMPILE_EVENT:
         return
-    violations = take_violations()
+    thread = threading.get_ident()
+    with _lock:
+        if _compiling.get(thread, 0) > 1:
+            _compiling[thread] -= 1
+        else:
+            _compiling.pop(thread, None)
+    if not _pending:
+        return
+    violations = take_violations(thread)
     if violations:
         program = kwargs.get("fun_name", "the program")
         raise ShardingError(format_violations(violations, program))
@@ -352,4 +373,5 @@ def format_violations(violations: list[Violation], program: str) -> str:
     return "\n".join([head, *(f"- {v}" for v in violations)])
 
 
+jax.monitoring.register_scalar_listener(_on_compile_start)
 jax.monitoring.register_event_duration_secs_listener(_on_compile)

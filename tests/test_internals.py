@@ -19,7 +19,7 @@ def test_probe_reports_the_propagated_sharding(auto_mesh):
 
     def f(x):
         y = jnp.sin(x)
-        internals.bind_probe(y, lambda s, dims: seen.append((s.spec, dims)))
+        internals.bind_probe(y, lambda s, dims, t: seen.append((s.spec, dims)))
         return x  # y is dead code: the probe must survive anyway
 
     x = put((8, 4), auto_mesh, P("dp", "tp"))
@@ -31,7 +31,7 @@ def test_probe_reports_the_propagated_sharding(auto_mesh):
 
 def test_probe_under_vmap_records_batch_dims(auto_mesh):
     seen = []
-    f = lambda r: internals.bind_probe(r, lambda s, dims: seen.append(dims)) or r
+    f = lambda r: internals.bind_probe(r, lambda s, dims, t: seen.append(dims)) or r
     x = put((8, 4, 2), auto_mesh, P("dp"))
     jax.jit(jax.vmap(jax.vmap(f, in_axes=1), in_axes=2)).lower(x).compile()
     assert [set(d) for d in seen] == [{1, 2}]
@@ -39,7 +39,7 @@ def test_probe_under_vmap_records_batch_dims(auto_mesh):
 
 def test_probe_keeps_the_fast_path(auto_mesh):
     """No effect in the program: jit's C++ dispatch handles the second call."""
-    f = jax.jit(lambda x: internals.bind_probe(x, lambda s, d: None) or x * 2)
+    f = jax.jit(lambda x: internals.bind_probe(x, lambda s, d, t: None) or x * 2)
     x = put((8, 4), auto_mesh, P("dp"))
     f(x)
     f(x)

@@ -317,3 +317,25 @@ def test_messages_outside_jaxtyped_and_on_mixed_meshes():
     msg = str(info.value)
     assert "a value checked with isinstance outside any jaxtyped function" in msg
     assert "(Auto/Explicit axes)" in msg
+
+
+def test_lowered_in_one_thread_compiled_in_another(auto_mesh):
+    import threading
+
+    f = layer()
+    bad = put((8, 4), auto_mesh, P(None, "tp"))
+    lowered = jax.jit(f).lower(bad, put((4, 6), auto_mesh, P(None, "tp")))
+    outcome = []
+
+    def compile_it():
+        try:
+            lowered.compile()
+            outcome.append("passed")
+        except jaxshard.ShardingError:
+            outcome.append("raised")
+
+    t = threading.Thread(target=compile_it)
+    t.start()
+    t.join()
+    assert outcome == ["raised"]
+    jnp.ones(3) + 1  # nothing left over for this thread's next compile
