@@ -41,4 +41,6 @@ def docs(session):
 def lint(session):
     session.install("ruff")
     session.run("ruff", "check", "jaxshard", "tests", "examples", "benchmarks")
-    session.run("ruff", "format", "--check", "jaxshard", "tests", "examples", "benchmarks")
+    session.run(
+        "ruff", "format", "--check", "jaxshard", "tests", "examples", "benchmarks"
+    )

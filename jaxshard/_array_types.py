@@ -1,4 +1,4 @@
-"""`Float[Array, "batch d", P("dp", None)]`: jaxtyping annotations with a partition spec.
+"""`Float[Array, "batch d", P("dp", None)]`: jaxtyping annotations with a sharding.
 
 With two items, each dtype class here returns exactly jaxtyping's annotation. With a
 third item, a `PartitionSpec`, it returns a subclass of that annotation whose
@@ -25,7 +25,7 @@ _union_types = (typing.Union, type(int | str))
 
 
 class _Shape:
-    """Stands in for an array in jaxtyping's shape check: the global shape of a block."""
+    """Stands in for a block in jaxtyping's shape check, with the global shape."""
 
     def __init__(self, shape: tuple[int, ...]):
         self.shape = shape
@@ -93,12 +93,16 @@ def with_spec(annotation: Any, spec: Any) -> Any:
     """Adds `spec` to a plain jaxtyping annotation (or to each member of a union)."""
     if get_origin(annotation) in _union_types:
         return typing.Union[tuple(with_spec(a, spec) for a in get_args(annotation))]
-    if not (isinstance(annotation, type) and issubclass(annotation, jaxtyping.AbstractArray)):
+    if not (
+        isinstance(annotation, type) and issubclass(annotation, jaxtyping.AbstractArray)
+    ):
         return annotation  # e.g. `float` in `Float[Array | float, ""]`: no sharding
     variadic = annotation.index_variadic is not None
     spec = validate_spec(spec, len(annotation.dims) - variadic, variadic)
     array_type = getattr(annotation.array_type, "__name__", repr(annotation.array_type))
-    array_type = array_type.rsplit(".", 1)[-1]  # jax.Array calls itself jaxlib._jax.Array
+    array_type = array_type.rsplit(".", 1)[
+        -1
+    ]  # jax.Array calls itself jaxlib._jax.Array
     name = (
         f"{annotation.dtype.__name__}[{array_type}, '{annotation.dim_str}', "
         f"{format_spec(spec)}]"
@@ -124,9 +128,7 @@ class _MetaShardedDtype(_MetaAbstractDtype):
 def _sharded_dtype(plain) -> Any:
     out = _MetaShardedDtype(plain.__name__, (plain,), {"_plain": plain})
     out.__module__ = "jaxshard"
-    out.__doc__ = (
-        f"jaxtyping's `{plain.__name__}`, with an optional third item: a partition spec."
-    )
+    out.__doc__ = f"jaxtyping's `{plain.__name__}`; a third item adds a partition spec."
     return out
 
 

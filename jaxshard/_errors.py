@@ -1,7 +1,6 @@
 """jaxshard's exceptions: every contract failure is a `jaxtyping.TypeCheckError`."""
 
-from jaxtyping import AnnotationError as AnnotationError
-from jaxtyping import TypeCheckError
+from jaxtyping import AnnotationError as AnnotationError, TypeCheckError
 
 
 class ShardingError(TypeCheckError):

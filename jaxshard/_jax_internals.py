@@ -11,11 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jaxtyping
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
-from jax.interpreters import partial_eval as pe
 from jax._src.lib.mlir import ir
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir, partial_eval as pe
+from jaxtyping import _decorator as _jaxtyping_decorator, _storage as _jaxtyping_storage
 
 
 # --- the sharding probe -------------------------------------------------------------
@@ -107,8 +106,7 @@ mlir.register_lowering(probe_p, _probe_lowering)
 
 def is_batched(x: Any) -> bool:
     """True if `x` is (or wraps) a `vmap` tracer with a mapped dimension."""
-    from jax._src.interpreters import ad as ad_internal
-    from jax._src.interpreters import batching as batching_internal
+    from jax._src.interpreters import ad as ad_internal, batching as batching_internal
 
     while isinstance(x, jax.core.Tracer):
         if isinstance(x, batching_internal.BatchTracer):
@@ -139,9 +137,6 @@ def context_mesh() -> jax.sharding.Mesh | None:
 
 
 # --- jaxtyping's state --------------------------------------------------------------
-
-from jaxtyping import _storage as _jaxtyping_storage  # noqa: E402
-from jaxtyping import _decorator as _jaxtyping_decorator  # noqa: E402
 
 
 def save_dim_memo() -> tuple:
@@ -181,5 +176,3 @@ def checked_call() -> tuple[str, dict[str, Any], Any] | None:
             return name, arguments, local.get("out")
         frame = frame.f_back
     return None
-
-

@@ -84,7 +84,7 @@ def _missing_axes(spec: PartitionSpec, mesh) -> str:
 
 @ft.lru_cache(maxsize=4096)
 def compare(spec: PartitionSpec, actual, ndim: int, mesh=None) -> str:
-    """"" if `actual` is equivalent to `NamedSharding(mesh, spec)` for an array of
+    """ "" if `actual` is equivalent to `NamedSharding(mesh, spec)` for an array of
     `ndim` dimensions, else the end of a sentence saying how it differs. `mesh` defaults
     to `actual`'s own."""
     if mesh is None:
@@ -128,7 +128,7 @@ def _phrase(array: str, reason: str) -> str:
 
 
 def check(annotation, obj: Any) -> str:
-    """"" if `obj`'s sharding satisfies `annotation.spec`, else the reason it does not."""
+    """ "" if `obj`'s sharding satisfies `annotation.spec`, else the reason why not."""
     if _config.current().sharding == "off":
         return ""
     spec = annotation.spec
@@ -215,12 +215,12 @@ def global_shape(spec: PartitionSpec, obj: Any) -> tuple[int, ...] | None:
     mesh = aval.sharding.mesh
     if mesh.empty or AxisType.Manual not in mesh.axis_types:
         return None
-    manual = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual}
+    manual = {
+        n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual
+    }
     sizes = mesh.shape
     entries = list(spec)[: len(aval.shape)]
-    factors = [
-        math.prod(sizes[a] for a in axes_of(e) if a in manual) for e in entries
-    ]
+    factors = [math.prod(sizes[a] for a in axes_of(e) if a in manual) for e in entries]
     factors += [1] * (len(aval.shape) - len(factors))
     return tuple(d * f for d, f in zip(aval.shape, factors))
 
@@ -273,7 +273,9 @@ def _add_probe(annotation, x, aval) -> None:
         spec=annotation.spec,
         array=aval.str_short(),
         ndim=aval.ndim,
-        axis_types=dict(zip(aval.sharding.mesh.axis_names, aval.sharding.mesh.axis_types)),
+        axis_types=dict(
+            zip(aval.sharding.mesh.axis_names, aval.sharding.mesh.axis_types)
+        ),
     )
     bind_probe(x, ft.partial(_on_sharding, site))
 
@@ -281,12 +283,16 @@ def _add_probe(annotation, x, aval) -> None:
 def _strip(sharding, batch_dims: tuple[int, ...], ndim: int):
     if not batch_dims or not isinstance(sharding, NamedSharding):
         return sharding
-    entries = list(sharding.spec) + [None] * (ndim + len(batch_dims) - len(sharding.spec))
+    entries = list(sharding.spec) + [None] * (
+        ndim + len(batch_dims) - len(sharding.spec)
+    )
     kept = [e for i, e in enumerate(entries) if i not in batch_dims]
     return NamedSharding(sharding.mesh, PartitionSpec(*kept))
 
 
-def _on_sharding(site: Site, sharding, batch_dims: tuple[int, ...], lowered_on: int) -> None:
+def _on_sharding(
+    site: Site, sharding, batch_dims: tuple[int, ...], lowered_on: int
+) -> None:
     # Runs on an XLA compiler thread: never raise here (XLA would wrap the error in
     # `JaxRuntimeError: INTERNAL: Error calling inspect_sharding`); record instead.
     sharding = _strip(sharding, batch_dims, site.ndim)

@@ -33,7 +33,8 @@ def validate_spec(spec: Any, num_dims: int, variadic: bool) -> PartitionSpec:
     if not isinstance(spec, PartitionSpec):
         raise AnnotationError(
             "The third item of a jaxshard annotation must be a "
-            "`jax.sharding.PartitionSpec`, e.g. `Float[Array, 'batch d', P('dp', None)]`; "
+            "`jax.sharding.PartitionSpec`, e.g. "
+            "`Float[Array, 'batch d', P('dp', None)]`; "
             f"got {spec!r} of type {type(spec).__name__}."
         )
     if not variadic and len(spec) > num_dims:

@@ -23,7 +23,9 @@ def typechecker(request):
 @pytest.fixture(params=["jaxshard", "jaxtyping"])
 def jaxtyped(request):
     """Both decorators: jaxshard's, and jaxtyping's own."""
-    return {"jaxshard": jaxshard.jaxtyped, "jaxtyping": jaxtyping.jaxtyped}[request.param]
+    return {"jaxshard": jaxshard.jaxtyped, "jaxtyping": jaxtyping.jaxtyped}[
+        request.param
+    ]
 
 
 @pytest.fixture(scope="session")

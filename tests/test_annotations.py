@@ -24,7 +24,16 @@ def test_every_jaxtyping_dtype_is_exported():
         and issubclass(getattr(jaxtyping, name), jaxtyping.AbstractDtype)
         and name != "AbstractDtype"
     }
-    assert {"Float", "Float32", "BFloat16", "Int", "UInt8", "Bool", "Shaped", "Key"} <= names
+    assert {
+        "Float",
+        "Float32",
+        "BFloat16",
+        "Int",
+        "UInt8",
+        "Bool",
+        "Shaped",
+        "Key",
+    } <= names
     for name in names:
         ours = getattr(jaxshard, name)
         assert name in jaxshard.__all__
@@ -49,7 +58,9 @@ def test_sharded_annotation_is_a_subclass_with_a_readable_repr():
     assert str(ann) == repr(ann)
     assert jaxshard.partition_spec(ann) == P("dp", None)
     tricky = Shaped[Array, "a b c", P(("dp", "tp"), None, P.UNCONSTRAINED)]
-    assert repr(tricky) == "Shaped[Array, 'a b c', P(('dp', 'tp'), None, P.UNCONSTRAINED)]"
+    assert (
+        repr(tricky) == "Shaped[Array, 'a b c', P(('dp', 'tp'), None, P.UNCONSTRAINED)]"
+    )
 
 
 def test_sharded_annotation_pickles():
@@ -185,7 +196,6 @@ def test_optional_union_pytree_and_return(typechecker, jaxtyped, explicit_mesh):
 
 def test_equinox_module_fields(typechecker, explicit_mesh):
     import equinox as eqx
-
     from helpers import put
 
     @jaxshard.jaxtyped(typechecker=typechecker)

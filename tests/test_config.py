@@ -87,7 +87,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("value, out", [("off", "True"), ("check", "False"), ("", "False")])
+@pytest.mark.parametrize(
+    "value, out", [("off", "True"), ("check", "False"), ("", "False")]
+)
 def test_environment_variable(value, out):
     env = {**os.environ, "JAXSHARD_SHARDING": value} if value else dict(os.environ)
     env.pop("JAXSHARD_SHARDING", None) if not value else None
@@ -101,7 +103,10 @@ def test_environment_variable(value, out):
 def test_bad_environment_variable():
     env = {**os.environ, "JAXSHARD_SHARDING": "sometimes"}
     result = subprocess.run(
-        [sys.executable, "-c", "import jaxshard"], env=env, capture_output=True, text=True
+        [sys.executable, "-c", "import jaxshard"],
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode != 0
     assert "Unrecognised value 'sometimes' for `JAXSHARD_SHARDING`" in result.stderr

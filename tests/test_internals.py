@@ -31,7 +31,11 @@ def test_probe_reports_the_propagated_sharding(auto_mesh):
 
 def test_probe_under_vmap_records_batch_dims(auto_mesh):
     seen = []
-    f = lambda r: internals.bind_probe(r, lambda s, dims, t: seen.append(dims)) or r
+
+    def f(r):
+        internals.bind_probe(r, lambda s, dims, t: seen.append(dims))
+        return r
+
     x = put((8, 4, 2), auto_mesh, P("dp"))
     jax.jit(jax.vmap(jax.vmap(f, in_axes=1), in_axes=2)).lower(x).compile()
     assert [set(d) for d in seen] == [{1, 2}]
@@ -128,7 +132,12 @@ def test_persistent_cache_never_skips_a_check(tmp_path):
         (outcome,) = set(result.stdout.split())
         return outcome
 
-    assert [run("tp"), run("tp"), run("dp"), run("tp")] == ["raised", "raised", "passed", "raised"]
+    assert [run("tp"), run("tp"), run("dp"), run("tp")] == [
+        "raised",
+        "raised",
+        "passed",
+        "raised",
+    ]
     assert any(p.name.startswith("jit_f") for p in tmp_path.iterdir())
 
 

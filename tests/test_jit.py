@@ -1,4 +1,4 @@
-"""Inside `jax.jit`: at trace time on Explicit meshes, at compile time on Auto meshes."""
+"""Inside `jax.jit`: at trace time on Explicit meshes, at compile time on Auto ones."""
 
 import beartype
 import jax
@@ -44,8 +44,13 @@ def test_explicit_message(explicit_mesh):
     with pytest.raises(jaxshard.ShardingError) as info:
         jax.jit(f)(put((8, 4), explicit_mesh, P(None, "tp")), w)
     msg = str(info.value)
-    for fragment in ["parameter 'x'", "P('dp', None)", "sharded as P(None, 'tp')",
-                     "{'dp': 4, 'tp': 2}", "float32[8,4@tp]"]:
+    for fragment in [
+        "parameter 'x'",
+        "P('dp', None)",
+        "sharded as P(None, 'tp')",
+        "{'dp': 4, 'tp': 2}",
+        "float32[8,4@tp]",
+    ]:
         assert fragment in msg, fragment
 
 
@@ -84,8 +89,14 @@ def test_auto_message_lists_every_violation(auto_mesh):
     assert "parameter 'x'" in msg and "parameter 'w'" in msg
     assert "the return value" in msg
     assert msg.count("parameter 'x'") == 1  # reported once though checked twice
-    for fragment in ["test_jit.layer.<locals>.f", "P('dp', None)", "P(None, 'tp')",
-                     "{'dp': 4, 'tp': 2}", "float32[8,4]", "after XLA's sharding"]:
+    for fragment in [
+        "test_jit.layer.<locals>.f",
+        "P('dp', None)",
+        "P(None, 'tp')",
+        "{'dp': 4, 'tp': 2}",
+        "float32[8,4]",
+        "after XLA's sharding",
+    ]:
         assert fragment in msg, fragment
     # The failed compile was not cached: the next call checks again.
     with pytest.raises(jaxshard.ShardingError):
@@ -108,7 +119,9 @@ def test_auto_propagated_intermediate(auto_mesh):
     """XLA's propagation decides the sharding of an unconstrained intermediate."""
 
     @jaxshard.jaxtyped(typechecker=beartype.beartype)
-    def inner(h: Float[Array, "b h", P("dp", "tp")]) -> Float[Array, "b h", P("dp", "tp")]:
+    def inner(
+        h: Float[Array, "b h", P("dp", "tp")],
+    ) -> Float[Array, "b h", P("dp", "tp")]:
         return jnp.tanh(h)
 
     def step(x, w):
@@ -248,7 +261,9 @@ def test_single_device_jit_passes_any_spec():
 
 
 def test_mixed_axis_types():
-    mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    mesh = jax.make_mesh(
+        (4, 2), ("dp", "tp"), axis_types=(AxisType.Explicit, AxisType.Auto)
+    )
     f = layer()
     x = put((8, 4), mesh, P("dp", None))
     w = put((4, 6), mesh, P(None, "tp"))
@@ -259,7 +274,7 @@ def test_mixed_axis_types():
 
 
 def test_checkify_does_not_break_the_probe(auto_mesh):
-    """`inspect_array_sharding` breaks under checkify (jax#26889); the probe does not."""
+    """`inspect_array_sharding` breaks under checkify (jax#26889), our probe doesn't."""
     from jax.experimental import checkify
 
     @jaxshard.jaxtyped(typechecker=beartype.beartype)
@@ -305,7 +320,9 @@ def test_compile_time_errors_go_to_the_thread_that_compiled(auto_mesh):
 
 
 def test_messages_outside_jaxtyped_and_on_mixed_meshes():
-    mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    mesh = jax.make_mesh(
+        (4, 2), ("dp", "tp"), axis_types=(AxisType.Explicit, AxisType.Auto)
+    )
     ann = Float[Array, "b d", P("dp", "tp")]
 
     def f(x):

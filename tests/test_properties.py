@@ -1,4 +1,4 @@
-"""jaxshard's verdict equals jax's own `NamedSharding.is_equivalent_to`, on every path."""
+"""jaxshard's verdict is jax's own `NamedSharding.is_equivalent_to`, on every path."""
 
 import math
 
@@ -26,7 +26,9 @@ def meshes(draw, axis_type):
         room = 8 // math.prod(sizes)
         sizes.append(draw(st.sampled_from([s for s in (1, 2, 4, 8) if s <= room])))
     devices = jax.devices()[: math.prod(sizes)]
-    return jax.make_mesh(tuple(sizes), NAMES[:n], axis_types=(axis_type,) * n, devices=devices)
+    return jax.make_mesh(
+        tuple(sizes), NAMES[:n], axis_types=(axis_type,) * n, devices=devices
+    )
 
 
 @st.composite
@@ -50,7 +52,9 @@ def cases(draw, axis_type):
 
 
 def oracle(mesh, ndim, expected, actual):
-    return NamedSharding(mesh, expected).is_equivalent_to(NamedSharding(mesh, actual), ndim)
+    return NamedSharding(mesh, expected).is_equivalent_to(
+        NamedSharding(mesh, actual), ndim
+    )
 
 
 def annotated(expected, ndim):
@@ -86,7 +90,9 @@ def test_auto_compile(case):
     mesh, ndim, expected, actual = case
     want = oracle(mesh, ndim, expected, actual)
     f = annotated(expected, ndim)
-    x = jax.ShapeDtypeStruct((8,) * ndim, jnp.float32, sharding=NamedSharding(mesh, actual))
+    x = jax.ShapeDtypeStruct(
+        (8,) * ndim, jnp.float32, sharding=NamedSharding(mesh, actual)
+    )
     try:
         jax.jit(f).lower(x).compile()
         got = True

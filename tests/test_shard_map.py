@@ -1,4 +1,4 @@
-"""Inside `shard_map` the value is one block; the annotation describes the global array."""
+"""In `shard_map` a value is one block; the annotation describes the global array."""
 
 import beartype
 import jax
@@ -15,7 +15,9 @@ from jaxshard import Float
 
 @pytest.fixture(params=["jaxshard", "jaxtyping"])
 def decorate(request, typechecker):
-    deco = {"jaxshard": jaxshard.jaxtyped, "jaxtyping": jaxtyping.jaxtyped}[request.param]
+    deco = {"jaxshard": jaxshard.jaxtyped, "jaxtyping": jaxtyping.jaxtyped}[
+        request.param
+    ]
     return deco(typechecker=typechecker)
 
 
@@ -53,7 +55,9 @@ def test_dim_bindings_are_global_across_the_boundary(mesh):
     @jaxshard.jaxtyped(typechecker=beartype.beartype)
     def outer(x: Float[Array, "batch d", P("dp")]) -> Float[Array, "batch d", P("dp")]:
         @jaxshard.jaxtyped(typechecker=beartype.beartype)
-        def body(b: Float[Array, "batch d", P("dp")]) -> Float[Array, "batch d", P("dp")]:
+        def body(
+            b: Float[Array, "batch d", P("dp")],
+        ) -> Float[Array, "batch d", P("dp")]:
             return b + 1
 
         return jax.shard_map(body, in_specs=P("dp"), out_specs=P("dp"))(x)
@@ -100,7 +104,9 @@ def test_block_varying_over_an_axis_the_spec_does_not_name(mesh):
 
     x = put((64, 8), mesh, P("dp", "tp"))
     with jax.set_mesh(mesh):
-        with pytest.raises(jaxshard.ShardingError, match="differs across the shard_map mesh axes 'tp'"):
+        with pytest.raises(
+            jaxshard.ShardingError, match="differs across the shard_map mesh axes 'tp'"
+        ):
             jax.shard_map(body, in_specs=P("dp", "tp"), out_specs=P("dp", "tp"))(x)
         # after a psum over every axis the value is replicated: P() holds
         jax.shard_map(
@@ -115,12 +121,16 @@ def test_partial_manual_axes(explicit_mesh):
     mesh = explicit_mesh
 
     @jaxshard.jaxtyped(typechecker=beartype.beartype)
-    def body(x: Float[Array, "64 d", P("dp", "tp")]) -> Float[Array, "64 d", P("dp", "tp")]:
+    def body(
+        x: Float[Array, "64 d", P("dp", "tp")],
+    ) -> Float[Array, "64 d", P("dp", "tp")]:
         return x
 
     x = put((64, 8), mesh, P("dp", "tp"))
     with jax.set_mesh(mesh):
-        partial = jax.shard_map(body, in_specs=P("dp"), out_specs=P("dp"), axis_names={"dp"})
+        partial = jax.shard_map(
+            body, in_specs=P("dp"), out_specs=P("dp"), axis_names={"dp"}
+        )
         assert partial(x).shape == (64, 8)
         with pytest.raises(jaxshard.ShardingError, match="sharded as P"):
             partial(put((64, 8), mesh, P("dp", None)))
@@ -132,7 +142,10 @@ def test_axis_missing_inside_shard_map(mesh):
         return x
 
     x = put((64, 8), mesh, P("dp"))
-    with jax.set_mesh(mesh), pytest.raises(jaxshard.ShardingError, match="names mesh axis 'fsdp'"):
+    with (
+        jax.set_mesh(mesh),
+        pytest.raises(jaxshard.ShardingError, match="names mesh axis 'fsdp'"),
+    ):
         jax.shard_map(body, in_specs=P("dp"), out_specs=P("dp"))(x)
 
 
