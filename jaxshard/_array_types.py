@@ -51,8 +51,13 @@ class _MetaShardedArray(_MetaAbstractArray):
                 return _MetaAbstractArray.__instancecheck_str__(cls, obj)
             snapshot = save_dim_memo()
             plain = _MetaAbstractArray.__instancecheck_str__(cls, obj)
-            if plain or in_tree_flatten():
+            if in_tree_flatten():
                 return plain
+            if plain:
+                if not _sharding.is_array_like(obj):
+                    return plain
+                # A numpy array or a scalar: say that it has no sharding.
+                reason = f"{plain.rstrip('.')}; {reason}"
         if reason:
             restore_dim_memo(snapshot)
             _decorator.note_failure(obj, reason)

@@ -84,9 +84,9 @@ def _missing_axes(spec: PartitionSpec, mesh) -> str:
 
 @ft.lru_cache(maxsize=4096)
 def compare(spec: PartitionSpec, actual, ndim: int, mesh=None) -> str:
-    """ "" if `actual` is equivalent to `NamedSharding(mesh, spec)` for an array of
-    `ndim` dimensions, else the end of a sentence saying how it differs. `mesh` defaults
-    to `actual`'s own."""
+    """How `actual` differs from `NamedSharding(mesh, spec)` for an array of `ndim`
+    dimensions, as the end of a sentence; "" if the two are equivalent. `mesh`
+    defaults to `actual`'s own."""
     if mesh is None:
         mesh = actual.mesh
     reason = _missing_axes(spec, mesh)
@@ -127,8 +127,15 @@ def _phrase(array: str, reason: str) -> str:
 # --- the checks ---------------------------------------------------------------------
 
 
+def is_array_like(obj: Any) -> bool:
+    """A numpy array or scalar, a Python number, or a jax.Array."""
+    return isinstance(obj, (int, float, complex)) or (
+        hasattr(obj, "shape") and hasattr(obj, "dtype")
+    )
+
+
 def check(annotation, obj: Any) -> str:
-    """ "" if `obj`'s sharding satisfies `annotation.spec`, else the reason why not."""
+    """Why `obj`'s sharding does not satisfy `annotation.spec`; "" if it does."""
     if _config.current().sharding == "off":
         return ""
     spec = annotation.spec
@@ -232,8 +239,8 @@ def global_shape(spec: PartitionSpec, obj: Any) -> tuple[int, ...] | None:
 class Site:
     """Where a compile-time check was written, for its error message."""
 
-    function: str
-    name: str
+    function: str | None  # None: an isinstance check outside any jaxtyped function
+    name: str | None
     annotation: str
     spec: PartitionSpec
     array: str

@@ -194,3 +194,26 @@ def test_threads_with_different_meshes_do_not_interfere():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+@pytest.mark.parametrize("value", [np.ones((8, 4), np.float32), 1.0, np.float32(2)])
+def test_numpy_or_scalar_for_a_sharded_jax_array(value):
+    @jaxshard.jaxtyped(typechecker=__import__("beartype").beartype)
+    def f(x: Float[Array, "...", P("dp")]):
+        return x
+
+    with pytest.raises(jaxshard.ShardingError, match="which has no sharding"):
+        f(value)
+
+
+def test_none_in_an_optional_leaves_no_note(explicit_mesh):
+    from typing import Optional
+
+    @jaxshard.jaxtyped(typechecker=__import__("beartype").beartype)
+    def f(a: Optional[Float[Array, "b", P("dp")]], b: Float[Array, "b", P("dp")]):
+        return b
+
+    with pytest.raises(jaxshard.ShardingError) as info:
+        f(None, put((8,), explicit_mesh, P()))
+    assert "NoneType" not in str(info.value)
+    assert "parameter 'b'" in str(info.value)
