@@ -1,8 +1,13 @@
 import re
 
+import beartype
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax import Array
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxshard
+from jaxshard import Float
 
 
 def put(shape, mesh, spec, dtype=jnp.float32):
@@ -18,3 +23,15 @@ def hlo_ops(compiled_text: str) -> list[str]:
         if m:
             ops.append(f"{m.group(2)} {m.group(3)}")
     return ops
+
+
+def layer(jaxtyped=jaxshard.jaxtyped, typechecker=beartype.beartype):
+    """`x @ w` with x over dp, w over tp and the output over both."""
+
+    @jaxtyped(typechecker=typechecker)
+    def f(
+        x: Float[Array, "batch d", P("dp", None)], w: Float[Array, "d h", P(None, "tp")]
+    ) -> Float[Array, "batch h", P("dp", "tp")]:
+        return x @ w
+
+    return f

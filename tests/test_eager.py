@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
-from helpers import put
+from helpers import layer, put
 from jax import Array
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -16,18 +16,8 @@ import jaxshard
 from jaxshard import Float
 
 
-def make_f(jaxtyped, typechecker):
-    @jaxtyped(typechecker=typechecker)
-    def f(
-        x: Float[Array, "batch d", P("dp", None)], w: Float[Array, "d h", P(None, "tp")]
-    ) -> Float[Array, "batch h", P("dp", "tp")]:
-        return x @ w
-
-    return f
-
-
 def test_passes_and_fails(typechecker, jaxtyped, mesh):
-    f = make_f(jaxtyped, typechecker)
+    f = layer(jaxtyped, typechecker)
     x = put((8, 4), mesh, P("dp", None))
     w = put((4, 6), mesh, P(None, "tp"))
     out = f(x, w)
@@ -39,14 +29,14 @@ def test_passes_and_fails(typechecker, jaxtyped, mesh):
 
 
 def test_jaxshard_message_names_everything(typechecker, mesh):
-    f = make_f(jaxshard.jaxtyped, typechecker)
+    f = layer(jaxshard.jaxtyped, typechecker)
     w = put((4, 6), mesh, P(None, "tp"))
     with pytest.raises(jaxshard.ShardingError) as info:
         f(put((8, 4), mesh, P(None, "tp")), w)
     msg = str(info.value)
     assert isinstance(info.value, jaxtyping.TypeCheckError)
     for fragment in [
-        "test_eager.make_f.<locals>.f",  # the function
+        "helpers.layer.<locals>.f",  # the function
         "parameter 'x'",  # the parameter
         "P('dp', None)",  # expected
         "sharded as P(None, 'tp')",  # actual
@@ -155,7 +145,7 @@ def test_failure_leaves_no_state_behind(explicit_mesh):
         # `b` was not bound to 16 by the failed check:
         assert isinstance(good, Float[Array, "b d", P("dp")])
 
-    f = make_f(jaxshard.jaxtyped, __import__("beartype").beartype)
+    f = layer(jaxshard.jaxtyped, __import__("beartype").beartype)
     w = put((4, 6), explicit_mesh, P(None, "tp"))
     with pytest.raises(jaxshard.ShardingError):
         f(bad, w)

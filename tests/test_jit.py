@@ -5,22 +5,12 @@ import jax
 import jax.numpy as jnp
 import jaxtyping
 import pytest
-from helpers import hlo_ops, put
+from helpers import hlo_ops, layer, put
 from jax import Array
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxshard
 from jaxshard import Float
-
-
-def layer(jaxtyped=jaxshard.jaxtyped, typechecker=beartype.beartype):
-    @jaxtyped(typechecker=typechecker)
-    def f(
-        x: Float[Array, "batch d", P("dp", None)], w: Float[Array, "d h", P(None, "tp")]
-    ) -> Float[Array, "batch h", P("dp", "tp")]:
-        return x @ w
-
-    return f
 
 
 def test_explicit_checked_at_trace_time(typechecker, jaxtyped, explicit_mesh):
@@ -90,7 +80,7 @@ def test_auto_message_lists_every_violation(auto_mesh):
     assert "the return value" in msg
     assert msg.count("parameter 'x'") == 1  # reported once though checked twice
     for fragment in [
-        "test_jit.layer.<locals>.f",
+        "helpers.layer.<locals>.f",
         "P('dp', None)",
         "P(None, 'tp')",
         "{'dp': 4, 'tp': 2}",
