@@ -41,11 +41,24 @@ from ._array_types import (
 from ._config import config as config
 from ._decorator import jaxtyped as jaxtyped
 from ._errors import ShardingError as ShardingError
+from ._signature import (
+    abstract_args as abstract_args,
+    shard_map as shard_map,
+    shardings as shardings,
+)
+from ._verify import (
+    Memory as Memory,
+    Report as Report,
+    Row as Row,
+    tpu_mesh as tpu_mesh,
+    verify as verify,
+)
 
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "abstract_args",
     "BFloat16",
     "Bool",
     "Complex",
@@ -72,12 +85,18 @@ __all__ = [
     "Integer",
     "jaxtyped",
     "Key",
+    "Memory",
     "Num",
     "partition_spec",
     "Real",
+    "Report",
+    "Row",
     "Shaped",
+    "shard_map",
     "sharded",
+    "shardings",
     "ShardingError",
+    "tpu_mesh",
     "UInt",
     "UInt2",
     "UInt4",
@@ -85,4 +104,5 @@ __all__ = [
     "UInt16",
     "UInt32",
     "UInt64",
+    "verify",
 ]

@@ -15,6 +15,9 @@ import jax
 
 class Settings(NamedTuple):
     sharding: str
+    # Set by `jaxshard.verify` while it traces and compiles: checks report to it
+    # instead of raising. Part of the jit cache key, so every function is traced anew.
+    recorder: object = None
 
 
 # name -> (environment variable, valid values; the first is the default)
@@ -87,4 +90,11 @@ def config(**settings: str) -> Iterator[None]:
         }
     )
     with _context(new):
+        yield
+
+
+@contextlib.contextmanager
+def overriding(**settings: object) -> Iterator[None]:
+    """Like `config`, for jaxshard's own use: no validation, hidden settings too."""
+    with _context(current()._replace(**settings)):
         yield

@@ -7,10 +7,12 @@ in the program; a mismatch found by the probe is raised as `ShardingError` out o
 call that compiled the program (see `_on_compile`).
 """
 
+import contextlib
 import dataclasses
 import functools as ft
 import math
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -47,9 +49,28 @@ def describe_sharding(sharding, ndim: int) -> str:
     return f"laid out by {sharding!r}"
 
 
+class _Naming(threading.local):
+    current: tuple[str, str] | None = None
+
+
+_naming = _Naming()
+
+
+@contextlib.contextmanager
+def naming(function: str, name: str) -> Iterator[None]:
+    """Checks inside the block are reported as `function`'s `name`."""
+    outer, _naming.current = _naming.current, (function, name)
+    try:
+        yield
+    finally:
+        _naming.current = outer
+
+
 def where(obj: Any) -> tuple[str | None, str | None]:
     """`(function, parameter)` naming the value being checked, for error messages;
     `(None, None)` outside any `jaxtyped` function."""
+    if _naming.current is not None:
+        return _naming.current
     call = checked_call()
     if call is None:
         return None, None
@@ -171,11 +192,22 @@ def _check_traced(annotation, x) -> str:
     if not mesh.empty:
         types = set(mesh.axis_types)
         if AxisType.Manual in types:
-            return _check_manual(annotation.spec, aval, mesh, is_batched(x))
+            reason = _check_manual(annotation.spec, aval, mesh, is_batched(x))
+            return _verdict(annotation, x, aval, reason)
         if types == {AxisType.Explicit}:
             reason = compare(annotation.spec, aval.sharding, aval.ndim)
-            return _phrase(aval.str_short(), reason) if reason else ""
+            reason = _phrase(aval.str_short(), reason) if reason else ""
+            return _verdict(annotation, x, aval, reason)
     _add_probe(annotation, x, aval)
+    return ""
+
+
+def _verdict(annotation, x, aval, reason: str) -> str:
+    """`reason`; or, while `jaxshard.verify` records, "" after recording it."""
+    recorder = _config.current().recorder
+    if recorder is None:
+        return reason
+    recorder.add(_site(annotation, x, aval, recorder), aval.sharding, reason)
     return ""
 
 
@@ -246,6 +278,8 @@ class Site:
     array: str
     ndim: int
     axis_types: dict  # of the mesh at trace time: the compiled program's mesh has none
+    recorder: Any = None  # a `_verify.Recorder`, while `jaxshard.verify` runs
+    order: int = 0  # in the recorder: the order in which the checks were traced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,9 +305,9 @@ _pending: list[Violation] = []
 _compiling: dict[int, int] = {}  # thread id -> how many compiles it has under way
 
 
-def _add_probe(annotation, x, aval) -> None:
+def _site(annotation, x, aval, recorder=None) -> Site:
     function, name = where(x)
-    site = Site(
+    return Site(
         function=function,
         name=name,
         annotation=repr(annotation),
@@ -283,7 +317,13 @@ def _add_probe(annotation, x, aval) -> None:
         axis_types=dict(
             zip(aval.sharding.mesh.axis_names, aval.sharding.mesh.axis_types)
         ),
+        recorder=recorder,
+        order=0 if recorder is None else recorder.next_order(),
     )
+
+
+def _add_probe(annotation, x, aval) -> None:
+    site = _site(annotation, x, aval, _config.current().recorder)
     bind_probe(x, ft.partial(_on_sharding, site))
 
 
@@ -317,9 +357,11 @@ def _on_sharding(
             "mesh to read the annotation's axis names against. Run the code inside "
             "`with jax.set_mesh(mesh):`"
         )
-    if reason:
-        if reason.startswith("is "):
-            reason = "after XLA's sharding propagation it " + reason
+    if reason.startswith("is "):
+        reason = "after XLA's sharding propagation it " + reason
+    if site.recorder is not None:
+        site.recorder.add(site, sharding, reason + "." if reason else "")
+    elif reason:
         with _lock:
             # The compiling thread waits for XLA, so it is one of those compiling now:
             # the one that lowered the program, or else the only one.

@@ -1,0 +1,561 @@
+"""`jaxshard.verify`: compile a function for a mesh (a TPU pod's, on a CPU-only machine)
+from its annotations, and report every sharding contract with what XLA chose."""
+
+import dataclasses
+import functools as ft
+import importlib.util
+import inspect
+import json
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from . import _config
+from ._decorator import jaxtyped
+from ._errors import AnnotationError, ShardingError, TypeCheckError
+from ._array_types import partition_spec
+from ._sharding import Site, describe_mesh, describe_sharding, naming
+from ._signature import _bound_inputs, _name, _tree, signature
+from ._spec import format_spec
+
+
+def checked_by_jaxshard(fn: Callable) -> Callable:
+    """`fn`, with its parameters and return value checked against its annotations."""
+    import beartype
+
+    return jaxtyped(fn, typechecker=beartype.beartype)
+
+
+# --- the report ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One sharding contract, and what XLA made of it.
+
+    **Attributes:**
+
+    - `function`: the qualified name of the checked function (`None` for an
+        `isinstance` check outside any).
+    - `name`: the parameter, a path into it (`"params.w1"`), or `"return"`.
+    - `expected`: the annotation's `PartitionSpec`.
+    - `actual`: the sharding the value has in the compiled program (after sharding
+        propagation on Auto meshes; from the type on Explicit meshes).
+    - `ok`: whether the two agree.
+    - `reason`: what is wrong, as a sentence; `""` when `ok`.
+    - `annotation`, `array`: the annotation and the value's dtype and shape, as text.
+    """
+
+    function: str | None
+    name: str | None
+    expected: PartitionSpec
+    actual: Any
+    ok: bool
+    reason: str
+    annotation: str
+    array: str
+
+    @property
+    def actual_spec(self) -> str:
+        return _describe(self.actual, self.expected)
+
+
+def _describe(sharding: Any, expected: PartitionSpec) -> str:
+    if isinstance(sharding, NamedSharding):
+        spec = list(sharding.spec)
+        spec += [None] * max(0, len(expected) - len(spec))
+        while len(spec) > len(expected) and spec[-1] is None:
+            spec.pop()
+        return format_spec(PartitionSpec(*spec))
+    return describe_sharding(sharding, len(expected))
+
+
+class Memory(dict):
+    """Bytes per device of the compiled program (from `memory_analysis()`), as a dict
+    with keys `arguments`, `outputs`, `temporaries`, `aliased`, `code` and `total`
+    (arguments + outputs + temporaries - aliased), also readable as attributes."""
+
+    def __getattr__(self, name: str) -> int:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What `jaxshard.verify` found.
+
+    **Attributes:**
+
+    - `function`: the verified function's name.
+    - `mesh`: the mesh it was compiled for.
+    - `rows`: one `Row` per contract, in the order the checks were traced; a contract
+        checked several times with the same outcome (a layer called in a loop) is one
+        row.
+    - `violations`: the rows that failed; `ok`: whether there are none.
+    - `memory`: a `Memory`, the compiled program's bytes per device.
+    - `flops`: the compiled program's floating-point operations per device, from
+        `cost_analysis()` (`None` where XLA gives none).
+    - `compiled`: the `jax.stages.Compiled` program.
+
+    `str(report)` is a table; `report.to_dict()` is plain data, for JSON.
+    """
+
+    function: str
+    mesh: Any
+    rows: tuple[Row, ...]
+    memory: Memory | None
+    flops: float | None
+    compiled: Any = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def violations(self) -> tuple[Row, ...]:
+        return tuple(row for row in self.rows if not row.ok)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def to_dict(self) -> dict:
+        return {
+            "function": self.function,
+            "mesh": dict(self.mesh.shape),
+            "devices": _device_kind(self.mesh),
+            "ok": self.ok,
+            "rows": [
+                {
+                    "function": r.function,
+                    "name": r.name,
+                    "array": r.array,
+                    "expected": format_spec(r.expected),
+                    "actual": r.actual_spec,
+                    "ok": r.ok,
+                    "reason": r.reason,
+                }
+                for r in self.rows
+            ],
+            "memory": None if self.memory is None else dict(self.memory),
+            "flops": self.flops,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        head = (
+            f"jaxshard.verify: {self.function} on mesh {describe_mesh(self.mesh)}, "
+            f"{_device_kind(self.mesh)}"
+        )
+        table = [("function", "value", "array", "expected", "actual", "")]
+        for r in self.rows:
+            table.append(
+                (
+                    r.function or "(isinstance)",
+                    r.name or "",
+                    r.array,
+                    format_spec(r.expected),
+                    r.actual_spec,
+                    "ok" if r.ok else "VIOLATED",
+                )
+            )
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        lines = [head, ""]
+        for i, row in enumerate(table):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths).rstrip())
+        if not self.rows:
+            lines.append("(no sharding contracts were checked)")
+        lines.append("")
+        count = len(self.violations)
+        if count:
+            lines.append(f"{count} of {len(self.rows)} contracts violated:")
+            lines += [f"- {_violation(r)}" for r in self.violations]
+        else:
+            lines.append(f"All {len(self.rows)} contracts hold.")
+        if self.memory is not None:
+            m = self.memory
+            lines.append(
+                f"Memory per device: arguments {_bytes(m.arguments)}, outputs "
+                f"{_bytes(m.outputs)}, temporaries {_bytes(m.temporaries)}, total "
+                f"{_bytes(m.total)}."
+            )
+        if self.flops is not None:
+            lines.append(f"FLOPs per device: {self.flops:.3g}.")
+        return "\n".join(lines)
+
+
+def _violation(row: Row) -> str:
+    if row.function is None:
+        what = "a value checked with isinstance outside any jaxtyped function"
+    elif row.name == "return":
+        what = f"{row.function}, the return value"
+    else:
+        what = f"{row.function}, parameter {row.name!r}"
+    return f"{what} ({row.array}, annotated {row.annotation}): {row.reason}"
+
+
+def _device_kind(mesh: Any) -> str:
+    devices = mesh.devices.flat
+    kind = getattr(devices[0], "device_kind", "?")
+    return f"{mesh.devices.size} × {kind}"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+# --- recording ----------------------------------------------------------------------
+
+
+class Recorder:
+    """Collects every sharding check made while `verify` traces and compiles. Checks
+    made at compile time report from XLA's threads, hence the lock."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._order = 0
+        self._found: dict[tuple, tuple[int, Row]] = {}
+
+    def next_order(self) -> int:
+        with self._lock:
+            self._order += 1
+            return self._order
+
+    def add(self, site: Site, actual: Any, reason: str) -> None:
+        row = Row(
+            function=site.function,
+            name=site.name,
+            expected=site.spec,
+            actual=actual,
+            ok=not reason,
+            reason=reason,
+            annotation=site.annotation,
+            array=site.array,
+        )
+        key = (row.function, row.name, row.annotation, row.array, row.reason)
+        with self._lock:
+            if key not in self._found or site.order < self._found[key][0]:
+                self._found[key] = (site.order, row)
+
+    def rows(self) -> tuple[Row, ...]:
+        return tuple(row for _, row in sorted(self._found.values(), key=_first))
+
+
+def _first(item: tuple[int, Row]) -> int:
+    return item[0]
+
+
+def _is_input(value: Any) -> bool:
+    return any(
+        isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray))
+        for leaf in jax.tree.leaves(value)
+    )
+
+
+def verify(
+    fn: Callable,
+    *,
+    mesh: Any,
+    dims: Mapping[str, Any] | None = None,
+    dtypes: Any = None,
+    values: Mapping[str, Any] | None = None,
+    raise_on_error: bool = True,
+) -> Report:
+    """Compiles `fn` for `mesh` from its annotations and checks every sharding
+    contract on the way.
+
+    The inputs are abstract (`jaxshard.abstract_args`): nothing is allocated, so a
+    model for a 256-chip pod compiles on a laptop. Every sharding contract met while
+    tracing and compiling is checked: `fn`'s own parameters and return value (whether
+    or not `fn` is decorated), and those of every `jaxtyped` function it calls. On an
+    Explicit mesh the verdict comes from the types at trace time; on an Auto mesh,
+    from XLA's sharding propagation. All violations are collected, not only the first.
+
+    **Arguments:**
+
+    - `fn`: the function, e.g. a training step or a model's forward pass (jitted or
+        not).
+    - `mesh`: the mesh: `jaxshard.tpu_mesh("v5e:16x16", {"dp": 16, "tp": 16})` for a
+        TPU pod, or a mesh of simulated CPU devices.
+    - `dims`, `dtypes`, `values`: as for `jaxshard.abstract_args`. Values that hold
+        no arrays are passed to `fn` as Python values (static).
+    - `raise_on_error`: raise `jaxshard.ShardingError` listing every violation
+        (`True`, the default), or return the report either way.
+
+    **Returns:**
+
+    A `Report`: `report.rows`, `report.violations`, `report.ok`, `report.memory`,
+    `report.flops`; `print(report)` shows a table.
+
+    !!! Example
+
+        ```python
+        mesh = jaxshard.tpu_mesh("v5e:16x16", {"dp": 16, "tp": 16})
+        report = jaxshard.verify(forward, mesh=mesh, dims={"batch": 1024, "seqlen": 2048})
+        print(report)
+        ```
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"jaxshard.verify needs a concrete `jax.sharding.Mesh` (e.g. from "
+            f"jaxshard.tpu_mesh or jax.make_mesh); got {mesh!r}."
+        )
+    name = _name(fn)
+    what = f"jaxshard.verify({name})"
+    bound = _bound_inputs(fn, mesh, dims, dtypes, values, what)
+    sig = inspect.signature(inspect.unwrap(fn))
+    traced = {k: v for k, v in bound.items() if _is_input(v)}
+    static = {k: v for k, v in bound.items() if k not in traced}
+    checked = checked_by_jaxshard(fn)
+    _, hints = signature(fn)
+    target = inspect.unwrap(fn)
+    qualname = f"{target.__module__}.{target.__qualname__}"
+
+    def program(inputs):
+        given = {**static, **inputs}
+        args, kwargs = [], {}
+        for p in sig.parameters.values():
+            if p.name in given:
+                if p.kind is p.POSITIONAL_ONLY:
+                    args.append(given[p.name])
+                else:
+                    kwargs[p.name] = given[p.name]
+        for p, value in given.items():
+            _check_leaves(qualname, p, hints.get(p), value)
+        out = checked(*args, **kwargs)
+        _check_leaves(qualname, "return", hints.get("return"), out)
+        return out
+
+    program.__name__ = program.__qualname__ = name.rsplit(".", 1)[-1]
+    recorder = Recorder()
+    with (
+        jax.set_mesh(mesh),
+        _config.overriding(sharding="check", recorder=recorder),
+    ):
+        compiled = jax.jit(program).lower(traced).compile()
+    report = Report(
+        function=name,
+        mesh=mesh,
+        rows=recorder.rows(),
+        memory=_memory(compiled),
+        flops=_flops(compiled),
+        compiled=compiled,
+    )
+    if raise_on_error and not report.ok:
+        count = len(report.violations)
+        error = ShardingError(
+            f"{count} sharding contract{'s' if count > 1 else ''} violated when "
+            f"{name} was compiled for mesh {describe_mesh(mesh)} "
+            f"({_device_kind(mesh)}):\n"
+            + "\n".join(f"- {_violation(r)}" for r in report.violations)
+        )
+        error.report = report  # pyright: ignore[reportAttributeAccessIssue]
+        raise error
+    return report
+
+
+class _Leaf:
+    def __init__(self, annotation: Any):
+        self.annotation = annotation
+
+
+def _leaf(annotation: Any, where: str) -> Any:
+    if annotation is None or partition_spec(annotation) is None:
+        return None
+    return _Leaf(annotation)
+
+
+_leaf.prefixable = True  # pyright: ignore[reportFunctionMemberAccess]
+
+
+def _check_leaves(function: str, name: str, annotation: Any, value: Any) -> None:
+    """Checks the arrays inside a parameter or return value whose annotation fixes a
+    tree structure (an equinox Module's fields, say), which typecheckers don't look
+    into."""
+    if annotation is None:
+        return
+    try:
+        tree = _tree(annotation, _leaf, name)
+    except AnnotationError:
+        return
+    if tree is None or isinstance(tree, _Leaf):
+        return  # an array, or no sharded array: the typechecker sees to it
+
+    def check(outer: Any, leaf: Any, subtree: Any) -> None:
+        if leaf is None:
+            return
+        for inner, x in jax.tree_util.tree_flatten_with_path(subtree)[0]:
+            here = name + jax.tree_util.keystr((*outer, *inner))
+            with naming(function, here):
+                if not isinstance(x, leaf.annotation):
+                    raise TypeCheckError(
+                        f"{function}, {here}: this value ({x!r}) does not match its "
+                        f"annotation {leaf.annotation!r}."
+                    )
+
+    try:
+        jax.tree_util.tree_map_with_path(
+            check, tree, value, is_leaf=lambda x: x is None
+        )
+    except ValueError:
+        pass  # the value's structure differs: the typechecker reports it
+
+
+def _memory(compiled: Any) -> Memory | None:
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # not every backend implements it
+        return None
+    if stats is None:
+        return None
+    out = Memory(
+        arguments=stats.argument_size_in_bytes,
+        outputs=stats.output_size_in_bytes,
+        temporaries=stats.temp_size_in_bytes,
+        aliased=stats.alias_size_in_bytes,
+        code=stats.generated_code_size_in_bytes,
+    )
+    out["total"] = out.arguments + out.outputs + out.temporaries - out.aliased
+    return out
+
+
+def _flops(compiled: Any) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:
+        return None
+    if isinstance(cost, list):  # older jax: one dict per program
+        cost = cost[0] if cost else None
+    if not cost or "flops" not in cost:
+        return None
+    return float(cost["flops"])
+
+
+# --- TPU meshes ---------------------------------------------------------------------
+
+
+_PROBES = ("v2:2x2", "v3:2x2", "v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2")
+
+
+def _libtpu_missing() -> bool:
+    return importlib.util.find_spec("libtpu") is None
+
+
+LIBTPU_HINT = (
+    "Compiling for a TPU topology needs libtpu (XLA's TPU compiler, which runs on any "
+    "x86-64 Linux machine): `pip install 'jaxshard[tpu]'`, or `pip install "
+    "'jax[tpu]'` for the libtpu that matches your jax."
+)
+
+
+@ft.cache
+def _known_topologies() -> tuple[str, ...]:
+    from jax.experimental import topologies
+
+    known = []
+    for name in _PROBES:
+        try:
+            topologies.get_topology_desc(platform="tpu", topology_name=name)
+        except Exception:
+            continue
+        known.append(name.split(":")[0])
+    return tuple(known)
+
+
+def _axis_types(axis_types: Any, n: int) -> tuple | None:
+    if axis_types is None:
+        return None
+    if isinstance(axis_types, (str, AxisType)):
+        axis_types = (axis_types,) * n
+    out = []
+    for t in axis_types:
+        if isinstance(t, str):
+            try:
+                t = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}[t.lower()]
+            except KeyError:
+                raise ValueError(
+                    f"Unknown axis type {t!r}: use 'auto' or 'explicit' (or "
+                    "jax.sharding.AxisType.Auto / .Explicit)."
+                ) from None
+        out.append(t)
+    return tuple(out)
+
+
+def tpu_mesh(topology: str, axes: Mapping[str, int], *, axis_types: Any = None) -> Mesh:
+    """A mesh of a TPU topology's devices, for compiling without a TPU.
+
+    The devices come from `jax.experimental.topologies.get_topology_desc`, laid out by
+    `jax.make_mesh` so that mesh axes follow the chips' interconnect. Programs can be
+    compiled for the mesh (`jaxshard.verify`, or `jit(...).lower(...).compile()`), not
+    run. Set `JAX_PLATFORMS=cpu` on a machine without TPUs, so that JAX does not look
+    for one.
+
+    **Arguments:**
+
+    - `topology`: e.g. `"v5e:16x16"` (256 chips), `"v5p:4x4x4"`, `"v4:2x2x2"`.
+    - `axes`: mesh axis names and sizes, e.g. `{"dp": 16, "tp": 16}`; the sizes
+        multiply to the number of devices.
+    - `axis_types`: `"auto"`, `"explicit"`, an `AxisType`, or one per axis; by default
+        `jax.make_mesh`'s.
+
+    **Returns:**
+
+    A `jax.sharding.Mesh`.
+
+    **Raises:**
+
+    `ImportError` with an install hint when libtpu is missing; `ValueError` naming
+    the chips libtpu knows when the topology is unknown, or when the axis sizes don't
+    multiply to the number of devices.
+
+    !!! Example
+
+        ```python
+        mesh = jaxshard.tpu_mesh("v5e:16x16", {"dp": 16, "tp": 16})
+        ```
+    """
+    from jax.experimental import topologies
+
+    if _libtpu_missing():
+        raise ImportError(f"jaxshard.tpu_mesh({topology!r}): {LIBTPU_HINT}")
+    # Only compiling happens here, never running: several processes (a test suite and
+    # the `python -m jaxshard` it starts, say) may load libtpu at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    axes = dict(axes)
+    if not axes or not all(
+        isinstance(k, str) and isinstance(v, int) and v > 0 for k, v in axes.items()
+    ):
+        raise ValueError(
+            f"jaxshard.tpu_mesh: axes must map axis names to positive sizes, e.g. "
+            f"{{'dp': 16, 'tp': 16}}; got {axes!r}."
+        )
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    except Exception as e:
+        known = ", ".join(_known_topologies()) or "none"
+        raise ValueError(
+            f"jaxshard.tpu_mesh: libtpu does not know the TPU topology {topology!r} "
+            f"({str(e).splitlines()[0]}). Name one as chip:shape, e.g. 'v5e:2x2', "
+            f"'v5e:16x16', 'v5p:2x2x2', 'v4:2x2x2'; chips this libtpu knows: {known}."
+        ) from None
+    devices = topo.devices
+    shape = tuple(axes.values())
+    if int(np.prod(shape)) != len(devices):
+        raise ValueError(
+            f"jaxshard.tpu_mesh: topology {topology!r} has {len(devices)} devices, but "
+            f"the axes {axes} multiply to {int(np.prod(shape))}."
+        )
+    types = _axis_types(axis_types, len(shape))
+    kwargs = {} if types is None else {"axis_types": types}
+    return jax.make_mesh(shape, tuple(axes), devices=devices, **kwargs)
