@@ -76,7 +76,7 @@ def shape(
     missing: list[str] = []
 
     def lookup(dim: Dim, name: str):
-        if name in dims and dim.kind != "anonymous":
+        if name in dims:
             return dims[name]
         value = fill(dim, name) if fill is not None else None
         if value is None:

@@ -176,3 +176,11 @@ def checked_call() -> tuple[str, dict[str, Any], Any] | None:
             return name, arguments, local.get("out")
         frame = frame.f_back
     return None
+
+
+def backends_started() -> bool:
+    """Whether JAX has created its backends (after which the number of CPU devices is
+    fixed). Checked against jax 0.10.2, which has no public way to ask."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()

@@ -155,7 +155,11 @@ def _dataclass(cls: type, leaf: Callable[[Any, str], Any], where: str) -> Any:
                 values[field.name] = field.default_factory()
                 continue
             raise OpenStructure(here)
-        values[field.name] = _walk(hints.get(field.name, Any), leaf, here)
+        hint = hints.get(field.name, Any)
+        if not _array_annotations(hint) and field.default is not dataclasses.MISSING:
+            values[field.name] = leaf(None, here, field.default)
+            continue
+        values[field.name] = _walk(hint, leaf, here)
     # Build the instance without running `__init__`, which may compute or check
     # fields: only the tree structure and the leaves matter here.
     out = object.__new__(cls)
@@ -271,7 +275,8 @@ def shardings(fn: Callable, mesh: Any = None) -> tuple[tuple, Any]:
 def _shardings(fn: Callable, make: Callable[[PartitionSpec], Any]) -> tuple[tuple, Any]:
     sig, hints = signature(fn)
 
-    def leaf(annotation, where):
+    def leaf(annotation, where, default=None):
+        del default
         spec = None if annotation is None else partition_spec(annotation)
         return None if spec is None else make(spec)
 
@@ -421,10 +426,11 @@ def _bound_inputs(
     uneven: list[str] = []
     needs_value: list[str] = []
 
-    def leaf(annotation, where):
+    def leaf(annotation, where, default=None):
         if annotation is None:
-            needs_value.append(where)
-            return None
+            if default is None:
+                needs_value.append(where)
+            return default
         shape, missing = _dims.shape(annotation, dims)
         for name in missing:
             unbound.setdefault(name, []).append(where)
@@ -434,8 +440,10 @@ def _bound_inputs(
         sharding = None
         if spec is not None:
             spec = _input_spec(spec)
-            uneven.extend(_uneven(spec, shape, mesh, where))
-            sharding = NamedSharding(mesh, spec)
+            problems = _uneven(spec, shape, mesh, where)
+            uneven.extend(problems)
+            if not problems:
+                sharding = NamedSharding(mesh, spec)
         dtype = _dtype(annotation, where, where.split(".")[0].split("[")[0], dtypes)
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 

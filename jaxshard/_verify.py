@@ -370,7 +370,8 @@ class _Leaf:
         self.annotation = annotation
 
 
-def _leaf(annotation: Any, where: str) -> Any:
+def _leaf(annotation: Any, where: str, default: Any = None) -> Any:
+    del where, default
     if annotation is None or partition_spec(annotation) is None:
         return None
     return _Leaf(annotation)

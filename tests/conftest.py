@@ -1,8 +1,10 @@
 import jax
 
 
-# Before anything initialises JAX's backends: every test runs on 8 simulated devices.
-jax.config.update("jax_num_cpu_devices", 8)
+# Every test runs on 8 simulated CPU devices: jaxshard's pytest plugin sets them up
+# from `jaxshard_devices = "8"` in pyproject.toml. libtpu, when installed, only
+# compiles for TPU topologies: keep the runtime on the CPU.
+jax.config.update("jax_platforms", "cpu")
 
 import beartype  # noqa: E402
 import jaxtyping  # noqa: E402
@@ -41,5 +43,6 @@ def auto_mesh():
 
 
 @pytest.fixture(params=["explicit", "auto"])
-def mesh(request, explicit_mesh, auto_mesh):
-    return {"explicit": explicit_mesh, "auto": auto_mesh}[request.param]
+def mesh(request, mesh):
+    """A 4x2 mesh of each axis type, from the plugin's `mesh` factory."""
+    return mesh({"dp": 4, "tp": 2}, axis_types=request.param)

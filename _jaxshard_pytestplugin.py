@@ -1,0 +1,128 @@
+"""jaxshard's pytest plugin, loaded through the `pytest11` entry point.
+
+- `--jaxshard-devices N` (or the ini option `jaxshard_devices = N`): N simulated CPU
+  devices, set before JAX starts its backends.
+- fixture `mesh`: a factory, `mesh({"dp": 4, "tp": 2}, axis_types="auto")`.
+- fixture `tpu_topology`: a factory for meshes of a TPU topology's devices,
+  `tpu_topology("v5e:16x16", {"dp": 16, "tp": 16})`; skips the test with an install
+  hint when libtpu is absent. The marker `@pytest.mark.tpu_topology` does the same.
+
+It lives outside the `jaxshard` package so that loading it imports nothing: JAX reads
+some environment variables (`JAX_PLATFORMS`) when it is imported, and a conftest may
+set them first.
+"""
+
+import importlib.util
+import math
+
+import pytest
+
+
+LIBTPU_HINT = (
+    "needs libtpu, XLA's TPU compiler (it runs on any x86-64 Linux machine): "
+    "pip install 'jaxshard[tpu]'"
+)
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("jaxshard")
+    group.addoption(
+        "--jaxshard-devices",
+        type=int,
+        metavar="N",
+        help="simulate N CPU devices (set before JAX starts; overrides the "
+        "jaxshard_devices ini option)",
+    )
+    parser.addini(
+        "jaxshard_devices", help="simulate this many CPU devices", default=""
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "tpu_topology: the test compiles for a TPU topology; skipped with an "
+        "install hint when libtpu is absent",
+    )
+    n = config.getoption("jaxshard_devices")
+    source = "--jaxshard-devices"
+    if n is None and str(config.getini("jaxshard_devices")).strip():
+        source = "the jaxshard_devices ini option"
+        try:
+            n = int(config.getini("jaxshard_devices"))
+        except ValueError:
+            raise pytest.UsageError(
+                f"{source} must be a number of devices, e.g. 8; got "
+                f"{config.getini('jaxshard_devices')!r}"
+            ) from None
+    if n is not None:
+        _simulate_devices(n, source)
+
+
+def _simulate_devices(n: int, source: str) -> None:
+    if n < 1:
+        raise pytest.UsageError(f"{source} must be at least 1; got {n}")
+    import jax
+
+    from jaxshard._jax_internals import backends_started
+
+    if not backends_started():
+        jax.config.update("jax_num_cpu_devices", n)
+        return
+    have = len(jax.devices("cpu"))
+    if have < n:
+        raise pytest.UsageError(
+            f"{source} asks for {n} CPU devices, but JAX had already started with "
+            f"{have}: something made arrays or asked for devices before pytest was "
+            "configured (a conftest or plugin, at import). Make it wait until the "
+            f"tests run, or set the count before JAX starts (XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={n})."
+        )
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("tpu_topology") and _libtpu_missing():
+        pytest.skip(f"{item.name} {LIBTPU_HINT}")
+
+
+def _libtpu_missing() -> bool:
+    return importlib.util.find_spec("libtpu") is None
+
+
+@pytest.fixture
+def mesh():
+    """A factory for meshes of simulated CPU devices:
+    `mesh({"dp": 4, "tp": 2}, axis_types="auto")`. `axis_types` is "auto",
+    "explicit", an `AxisType` or one per axis (default: `jax.make_mesh`'s)."""
+    import jax
+
+    from jaxshard._verify import _axis_types
+
+    def make(axes, *, axis_types=None):
+        axes = dict(axes)
+        n = math.prod(axes.values())
+        devices = jax.devices("cpu")
+        if n > len(devices):
+            pytest.fail(
+                f"mesh({axes}) needs {n} devices, but JAX has {len(devices)} CPU "
+                f"devices: run pytest with --jaxshard-devices {n} (or set "
+                f"jaxshard_devices = {n} in the ini file)",
+                pytrace=False,
+            )
+        types = _axis_types(axis_types, len(axes))
+        kwargs = {} if types is None else {"axis_types": types}
+        return jax.make_mesh(tuple(axes.values()), tuple(axes), devices=devices[:n], **kwargs)
+
+    return make
+
+
+@pytest.fixture
+def tpu_topology():
+    """A factory for meshes of a TPU topology's devices (`jaxshard.tpu_mesh`):
+    `tpu_topology("v5e:2x2", {"dp": 2, "tp": 2})`. Skips the test when libtpu is
+    absent."""
+    if _libtpu_missing():
+        pytest.skip(LIBTPU_HINT)
+    from jaxshard import tpu_mesh
+
+    return tpu_mesh

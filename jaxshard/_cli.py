@@ -1,0 +1,265 @@
+"""`python -m jaxshard verify pkg.module:fn --topology v5e:16x16 --mesh dp=16,tp=16 ...`
+
+Exit status: 0 when every contract holds, 1 on violations (or another contract
+failure, such as a wrong shape), 2 on usage errors.
+"""
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+EXAMPLES = """\
+examples:
+  python -m jaxshard verify model:forward --topology v5e:16x16 \\
+      --mesh dp=16,tp=16 --dim batch=1024 --dim seqlen=2048
+  python -m jaxshard verify examples/transformer.py:model --devices 8 \\
+      --mesh dp=4,tp=2 --dim batch=8 --json
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxshard",
+        description="Check jaxshard's sharding contracts without running a program.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    verify = commands.add_parser(
+        "verify",
+        help="compile a function for a mesh and check its sharding contracts",
+        description=(
+            "Compile FUNCTION for a mesh from its annotations (no arrays are "
+            "allocated) and check every sharding contract met on the way. Prints a "
+            "table of contracts; exits 0 when all hold, 1 on violations, 2 on usage "
+            "errors."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    verify.add_argument(
+        "function",
+        metavar="MODULE:FUNCTION",
+        help="e.g. pkg.model:forward (a module importable from the current "
+        "directory) or path/to/model.py:forward; FUNCTION may be dotted "
+        "(Model.__call__)",
+    )
+    verify.add_argument(
+        "--topology",
+        help="a TPU topology, e.g. v5e:16x16, v5p:4x4x4, v4:2x2x2 (needs libtpu: "
+        "pip install 'jaxshard[tpu]'); without it, simulated CPU devices are used",
+    )
+    verify.add_argument(
+        "--devices",
+        type=int,
+        metavar="N",
+        help="number of simulated CPU devices when there is no --topology (default: "
+        "the product of the mesh axis sizes)",
+    )
+    verify.add_argument(
+        "--mesh",
+        required=True,
+        metavar="AXIS=SIZE,...",
+        help="mesh axes in order, e.g. dp=16,tp=16",
+    )
+    verify.add_argument(
+        "--axis-types",
+        choices=("auto", "explicit"),
+        help="the mesh's axis types (default: jax.make_mesh's)",
+    )
+    verify.add_argument(
+        "--dim",
+        action="append",
+        default=[],
+        metavar="NAME=SIZE",
+        help="size of a named dimension, e.g. batch=1024; repeatable. For a variadic "
+        "dimension give sizes separated by commas (batch=4,8) or nothing (batch=)",
+    )
+    verify.add_argument(
+        "--dtype",
+        action="append",
+        default=[],
+        metavar="[KEY=]DTYPE",
+        help="dtype where an annotation allows several (default float32 for Float): "
+        "bfloat16 for all, or Float=bfloat16 per dtype class, or x=float16 per "
+        "parameter; repeatable",
+    )
+    verify.add_argument(
+        "--json", action="store_true", help="print the report as JSON instead"
+    )
+    return parser
+
+
+def _mesh_axes(text: str) -> dict[str, int]:
+    axes: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, size = part.partition("=")
+        name = name.strip()
+        if not sep or not name.isidentifier() or not size.strip().isdigit():
+            raise ValueError(
+                f"bad --mesh {text!r}: write axis=size pairs separated by commas, "
+                "e.g. dp=16,tp=16"
+            )
+        if name in axes:
+            raise ValueError(f"bad --mesh {text!r}: axis {name!r} appears twice")
+        axes[name] = int(size)
+    if any(v == 0 for v in axes.values()):
+        raise ValueError(f"bad --mesh {text!r}: axis sizes must be positive")
+    return axes
+
+
+def _dims(items: Sequence[str]) -> dict[str, Any]:
+    dims: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        value = value.strip()
+        try:
+            if not sep or not name.strip():
+                raise ValueError
+            if "," in value or not value:
+                dims[name.strip()] = tuple(int(v) for v in value.split(",") if v)
+            else:
+                dims[name.strip()] = int(value)
+        except ValueError:
+            raise ValueError(
+                f"bad --dim {item!r}: write name=size (batch=1024), or name=s1,s2 "
+                "for a variadic dimension"
+            ) from None
+    return dims
+
+
+def _dtypes(items: Sequence[str]) -> Any:
+    import numpy as np
+
+    if not items:
+        return None
+    out: dict[str, Any] = {}
+    blanket = None
+    for item in items:
+        key, sep, value = item.rpartition("=")
+        try:
+            dtype = np.dtype(_dtype_name(value))
+        except TypeError:
+            raise ValueError(f"bad --dtype {item!r}: unknown dtype {value!r}") from None
+        if sep:
+            out[key] = dtype
+        else:
+            blanket = dtype
+    if blanket is not None and out:
+        raise ValueError(
+            "--dtype: give either one dtype for all, or KEY=DTYPE entries, not both"
+        )
+    return blanket if blanket is not None else out
+
+
+def _dtype_name(name: str) -> Any:
+    import jax.numpy as jnp
+
+    return getattr(jnp, name, name)  # bfloat16 and the float8 types live in jax
+
+
+def _load(target: str) -> Any:
+    module_name, sep, attr = target.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"bad function {target!r}: write MODULE:FUNCTION, e.g. pkg.model:forward "
+            "or path/to/model.py:forward"
+        )
+    if module_name.endswith(".py") or os.sep in module_name:
+        if not os.path.isfile(module_name):
+            raise ValueError(f"cannot import {module_name!r}: no such file")
+        name = os.path.splitext(os.path.basename(module_name))[0]
+        spec = importlib.util.spec_from_file_location(name, module_name)
+        module = importlib.util.module_from_spec(spec)  # pyright: ignore
+        sys.modules[name] = module
+        spec.loader.exec_module(module)  # pyright: ignore
+    else:
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            raise ValueError(f"cannot import module {module_name!r}: {e}") from None
+    obj = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(
+                f"module {module_name!r} has no attribute {attr!r}"
+            ) from None
+    if not callable(obj):
+        raise ValueError(f"{target!r} is not callable")
+    return obj
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    import jax
+
+    # This command compiles and never runs on an accelerator: keep JAX on the CPU
+    # (TPU topologies come from libtpu either way) unless the user says otherwise.
+    if "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")
+    try:
+        axes = _mesh_axes(args.mesh)
+        dims = _dims(args.dim)
+        dtypes = _dtypes(args.dtype)
+        if args.topology is None:
+            import math
+
+            devices = args.devices or math.prod(axes.values())
+            jax.config.update("jax_num_cpu_devices", devices)
+        elif args.devices is not None:
+            raise ValueError("--devices is for CPU meshes; it conflicts with --topology")
+        fn = _load(args.function)
+        mesh = _make_mesh(axes, args.topology, args.axis_types)
+        import jaxshard
+
+        jaxshard.abstract_args(fn, mesh, dims, dtypes)
+    except (ValueError, ImportError) as e:
+        parser.error(str(e).splitlines()[0] if "\n" in str(e) else str(e))
+    import jaxshard
+
+    try:
+        report = jaxshard.verify(
+            fn, mesh=mesh, dims=dims, dtypes=dtypes, raise_on_error=False
+        )
+    except jaxshard.ShardingError as e:  # pragma: no cover - verify collects these
+        print(e, file=sys.stderr)
+        return 1
+    except Exception as e:
+        import jaxtyping
+
+        if isinstance(e, jaxtyping.TypeCheckError):
+            print(f"{type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        raise
+    print(report.to_json() if args.json else report)
+    return 0 if report.ok else 1
+
+
+def _make_mesh(axes: dict[str, int], topology: str | None, axis_types: str | None):
+    import jax
+
+    import jaxshard
+    from jaxshard._verify import _axis_types
+
+    if topology is not None:
+        return jaxshard.tpu_mesh(topology, axes, axis_types=axis_types)
+    shape = tuple(axes.values())
+    n = 1
+    for s in shape:
+        n *= s
+    devices = jax.devices()
+    if n > len(devices):
+        raise ValueError(
+            f"the mesh {axes} needs {n} devices; there are {len(devices)} (--devices)"
+        )
+    types = _axis_types(axis_types, len(shape))
+    kwargs = {} if types is None else {"axis_types": types}
+    return jax.make_mesh(shape, tuple(axes), devices=devices[:n], **kwargs)
