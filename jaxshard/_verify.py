@@ -559,4 +559,10 @@ def tpu_mesh(topology: str, axes: Mapping[str, int], *, axis_types: Any = None) 
         )
     types = _axis_types(axis_types, len(shape))
     kwargs = {} if types is None else {"axis_types": types}
-    return jax.make_mesh(shape, tuple(axes), devices=devices, **kwargs)
+    try:
+        return jax.make_mesh(shape, tuple(axes), devices=devices, **kwargs)
+    except (AssertionError, ValueError, NotImplementedError):
+        # jax lays out meshes only for one device per chip; libtpu's v4 topologies
+        # list each of a chip's two cores. Keep libtpu's order then.
+        grid = np.array(devices, dtype=object).reshape(shape)
+        return Mesh(grid, tuple(axes), **kwargs)

@@ -1,7 +1,5 @@
 """jaxshard's verdict is jax's own `NamedSharding.is_equivalent_to`, on every path."""
 
-import math
-
 import beartype
 import hypothesis.strategies as st
 import jax
@@ -12,43 +10,24 @@ from jax import Array
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxshard
-from jaxshard import Float
-
-
-NAMES = ("a", "b", "c")
-
-
-@st.composite
-def meshes(draw, axis_type):
-    n = draw(st.integers(1, 3))
-    sizes = []
-    for _ in range(n):
-        room = 8 // math.prod(sizes)
-        sizes.append(draw(st.sampled_from([s for s in (1, 2, 4, 8) if s <= room])))
-    devices = jax.devices()[: math.prod(sizes)]
-    return jax.make_mesh(
-        tuple(sizes), NAMES[:n], axis_types=(axis_type,) * n, devices=devices
-    )
-
-
-@st.composite
-def specs(draw, mesh, ndim):
-    unused = list(mesh.axis_names)
-    entries = []
-    for _ in range(draw(st.integers(0, ndim))):
-        k = draw(st.integers(0, min(2, len(unused))))
-        axes = draw(st.permutations(unused))[:k] if k else []
-        for a in axes:
-            unused.remove(a)
-        entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
-    return P(*entries)
+from jaxshard import Float, strategies as js
 
 
 @st.composite
 def cases(draw, axis_type):
-    mesh = draw(meshes(axis_type))
+    mesh = draw(js.meshes(axis_types=axis_type))
     ndim = draw(st.integers(1, 3))
-    return mesh, ndim, draw(specs(mesh, ndim)), draw(specs(mesh, ndim))
+    return (
+        mesh,
+        ndim,
+        draw(js.partition_specs(ndim, mesh)),
+        draw(js.partition_specs(ndim, mesh)),
+    )
+
+
+def full_shape(mesh, ndim):
+    """Every spec divides this shape: each axis size divides the mesh's size."""
+    return (mesh.size,) * ndim
 
 
 def oracle(mesh, ndim, expected, actual):
@@ -71,7 +50,7 @@ def annotated(expected, ndim):
 @given(cases(AxisType.Explicit))
 def test_eager_and_explicit_trace(case):
     mesh, ndim, expected, actual = case
-    x = jax.device_put(jnp.ones((8,) * ndim), NamedSharding(mesh, actual))
+    x = jax.device_put(jnp.ones(full_shape(mesh, ndim)), NamedSharding(mesh, actual))
     want = oracle(mesh, ndim, expected, actual)
     ann = Float[Array, " ".join("_" * ndim), expected]
     assert isinstance(x, ann) == want
@@ -91,7 +70,7 @@ def test_auto_compile(case):
     want = oracle(mesh, ndim, expected, actual)
     f = annotated(expected, ndim)
     x = jax.ShapeDtypeStruct(
-        (8,) * ndim, jnp.float32, sharding=NamedSharding(mesh, actual)
+        full_shape(mesh, ndim), jnp.float32, sharding=NamedSharding(mesh, actual)
     )
     try:
         jax.jit(f).lower(x).compile()
@@ -99,3 +78,22 @@ def test_auto_compile(case):
     except jaxshard.ShardingError:
         got = False
     assert got == want
+
+
+@jaxshard.jaxtyped(typechecker=beartype.beartype)
+def layer(
+    x: Float[Array, "b d", P("a")], w: Float[Array, "d e"]
+) -> Float[Array, "b e"]:
+    return x @ w
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_drawn_arrays_pass_an_annotated_function(data):
+    mesh = data.draw(js.meshes())
+    dims = {}
+    x = data.draw(js.arrays(Float[Array, "b d", P("a")], mesh, dims))
+    w = data.draw(js.arrays(Float[Array, "d e"], mesh, dims))
+    assert layer(x, w).shape == (dims["b"], dims["e"])
+    with jax.set_mesh(mesh):
+        assert jax.jit(layer)(x, w).shape == (dims["b"], dims["e"])

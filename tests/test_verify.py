@@ -1,0 +1,175 @@
+"""`jaxshard.verify` on meshes of simulated CPU devices (TPU topologies: test_tpu.py)."""
+
+import json
+
+import beartype
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import pytest
+from jax import Array
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxshard
+from jaxshard import Float
+
+
+checked = jaxshard.jaxtyped(typechecker=beartype.beartype)
+
+
+class Params(eqx.Module):
+    w1: Float[Array, "d f", P(None, "tp")]
+    w2: Float[Array, "f d", P("tp", None)]
+
+
+@checked
+def mlp(
+    p: Params, x: Float[Array, "b d", P("dp", None)]
+) -> Float[Array, "b d", P("dp", None)]:
+    return jax.nn.relu(x @ p.w1) @ p.w2
+
+
+@checked
+def head(x: Float[Array, "b d", P("dp", None)]) -> Float[Array, "b", P("dp")]:
+    return x.sum(axis=1)
+
+
+def model(
+    p: Params, x: Float[Array, "b d", P("dp")], *, layers: int = 3
+) -> Float[Array, "b", P("dp")]:
+    for _ in range(layers):
+        x = mlp(p, x)
+    return head(x)
+
+
+DIMS = {"b": 16, "d": 8, "f": 32}
+
+
+def rows(report):
+    return [(r.function.rsplit(".", 1)[-1], r.name, r.ok) for r in report.rows]
+
+
+def test_report_lists_every_contract(auto_mesh):
+    report = jaxshard.verify(model, mesh=auto_mesh, dims=DIMS)
+    assert report.ok and report.violations == ()
+    # Parameters (with the Module's fields), then the functions inside in the order
+    # they were traced, each contract once however often the layer runs.
+    assert rows(report) == [
+        ("model", "p.w1", True),
+        ("model", "p.w2", True),
+        ("model", "x", True),
+        ("mlp", "x", True),
+        ("mlp", "return", True),
+        ("head", "x", True),
+        ("head", "return", True),
+        ("model", "return", True),
+    ]
+    row = report.rows[0]
+    assert row.expected == P(None, "tp") and row.array == "float32[8,32]"
+    assert isinstance(row.actual, NamedSharding) and row.actual.spec == P(None, "tp")
+    assert report.memory.arguments == report.memory["arguments"] > 0
+    assert report.memory.total >= report.memory.arguments
+    assert report.flops is not None and report.flops > 0
+    assert report.compiled.input_shardings[0][0]["x"].spec == P("dp")
+
+
+def wrong_return(
+    p: Params, x: Float[Array, "b d", P("dp")]
+) -> Float[Array, "b", P("tp")]:
+    return head(mlp(p, x))
+
+
+@checked
+def wrong_layer(x: Float[Array, "b d", P(None, "tp")]) -> Float[Array, "b d"]:
+    return x
+
+
+def two_wrong(x: Float[Array, "b d", P("dp")]) -> Float[Array, "b", P()]:
+    return head(wrong_layer(x))
+
+
+def test_collects_every_violation(mesh):
+    report = jaxshard.verify(two_wrong, mesh=mesh, dims=DIMS, raise_on_error=False)
+    assert not report.ok
+    assert [(r.function.rsplit(".", 1)[-1], r.name) for r in report.violations] == [
+        ("wrong_layer", "x"),
+        ("two_wrong", "return"),
+    ]
+    bad = report.violations[0]
+    assert bad.expected == P(None, "tp") and tuple(bad.actual.spec)[:1] == ("dp",)
+    assert "P(None, 'tp')" in bad.reason
+    text = str(report)
+    assert "VIOLATED" in text and "2 of 5 contracts violated" in text
+    assert json.loads(report.to_json())["rows"][1]["expected"] == "P(None, 'tp')"
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jaxshard.verify(two_wrong, mesh=mesh, dims=DIMS)
+    message = str(e.value)
+    assert "2 sharding contracts violated" in message
+    assert "wrong_layer, parameter 'x'" in message and "the return value" in message
+    assert e.value.report.violations == report.violations
+
+
+def test_return_checked_after_propagation(auto_mesh):
+    report = jaxshard.verify(wrong_return, mesh=auto_mesh, dims=DIMS, raise_on_error=False)
+    (bad,) = report.violations
+    assert bad.name == "return" and bad.expected == P("tp")
+    assert "after XLA's sharding propagation it is sharded as P('dp')" in bad.reason
+
+
+def test_leaves_no_state_behind(auto_mesh):
+    jaxshard.verify(wrong_return, mesh=auto_mesh, dims=DIMS, raise_on_error=False)
+    # Outside verify the same code raises as usual, at compile time.
+    args = jaxshard.abstract_args(wrong_return, auto_mesh, DIMS)
+    with pytest.raises(jaxshard.ShardingError, match="wrong_return"):
+        jax.jit(checked(wrong_return)).lower(*args).compile()
+    assert jax.sharding.get_abstract_mesh().empty
+
+
+def test_checks_even_when_turned_off(auto_mesh):
+    with jaxshard.config(sharding="off"):
+        report = jaxshard.verify(
+            wrong_return, mesh=auto_mesh, dims=DIMS, raise_on_error=False
+        )
+    assert len(report.violations) == 1
+
+
+def test_static_values_and_keyword_only(auto_mesh):
+    report = jaxshard.verify(model, mesh=auto_mesh, dims=DIMS, values={"layers": 0})
+    assert [r[0] for r in rows(report)] == ["model"] * 3 + ["head", "head", "model"]
+
+
+def test_shape_errors_propagate(auto_mesh):
+    @checked
+    def f(x: Float[Array, "b d", P("dp")]) -> Float[Array, "d b"]:
+        return x
+
+    with pytest.raises(jaxtyping.TypeCheckError):
+        jaxshard.verify(f, mesh=auto_mesh, dims={"b": 4, "d": 8})
+
+
+def test_shard_map_and_vmap_inside(explicit_mesh):
+    @checked
+    def per_row(r: Float[Array, "d"]) -> Float[Array, ""]:
+        return r.sum()
+
+    def local(x: Float[Array, "b d", P("dp")]) -> Float[Array, "b", P("dp")]:
+        return jax.vmap(per_row)(x)
+
+    def f(x: Float[Array, "b d", P("dp")]) -> Float[Array, "b", P("dp")]:
+        return jaxshard.shard_map(local)(x)
+
+    report = jaxshard.verify(f, mesh=explicit_mesh, dims={"b": 8, "d": 4})
+    names = [(r.function.rsplit(".", 1)[-1], r.name) for r in report.rows]
+    assert ("local", "x") in names and ("local", "return") in names
+    assert report.ok
+
+
+def test_needs_a_mesh():
+    with pytest.raises(TypeError, match="concrete `jax.sharding.Mesh`"):
+        jaxshard.verify(model, mesh=None, dims=DIMS)
+
+
+def test_bf16_model(auto_mesh):
+    report = jaxshard.verify(model, mesh=auto_mesh, dims=DIMS, dtypes=jnp.bfloat16)
+    assert report.rows[0].array == "bfloat16[8,32]"
