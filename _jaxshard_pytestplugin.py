@@ -80,9 +80,11 @@ def _simulate_devices(n: int, source: str) -> None:
         )
 
 
-def pytest_runtest_setup(item):
-    if item.get_closest_marker("tpu_topology") and _libtpu_missing():
-        pytest.skip(f"{item.name} {LIBTPU_HINT}")
+def pytest_collection_modifyitems(config, items):
+    del config
+    for item in items:
+        if item.get_closest_marker("tpu_topology") and _libtpu_missing():
+            item.add_marker(pytest.mark.skip(reason=LIBTPU_HINT))
 
 
 def _libtpu_missing() -> bool:

@@ -7,6 +7,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -218,6 +219,9 @@ def _bytes(n: int) -> str:
 # --- recording ----------------------------------------------------------------------
 
 
+_SHARDING_IN_TYPE = re.compile(r"@(\([^)]*\)|\w+)")
+
+
 class Recorder:
     """Collects every sharding check made while `verify` traces and compiles. Checks
     made at compile time report from XLA's threads, hence the lock."""
@@ -241,7 +245,7 @@ class Recorder:
             ok=not reason,
             reason=reason,
             annotation=site.annotation,
-            array=site.array,
+            array=_SHARDING_IN_TYPE.sub("", site.array),  # the table shows it apart
         )
         key = (row.function, row.name, row.annotation, row.array, row.reason)
         with self._lock:

@@ -1,0 +1,152 @@
+"""`python -m jaxshard verify`, run as a user would, in a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+MODEL = textwrap.dedent(
+    """
+    import beartype
+    import jax.numpy as jnp
+    from jax import Array
+    from jax.sharding import PartitionSpec as P
+
+    import jaxshard
+    from jaxshard import Float
+
+
+    @jaxshard.jaxtyped(typechecker=beartype.beartype)
+    def layer(
+        x: Float[Array, "b d", P("dp")], w: Float[Array, "d f", P(None, "tp")]
+    ) -> Float[Array, "b f", P("dp", "tp")]:
+        return jnp.tanh(x @ w)
+
+
+    def mis_annotated(
+        x: Float[Array, "b d", P("dp")], w: Float[Array, "d f", P(None, "tp")]
+    ) -> Float[Array, "b f", P("tp")]:
+        return layer(x, w)
+
+
+    def wrong_shape(x: Float[Array, "b d", P("dp")]) -> Float[Array, "d"]:
+        return x
+    """
+)
+
+DIMS = ["--dim", "b=16", "--dim", "d=8", "--dim", "f=16"]
+
+
+@pytest.fixture
+def run(tmp_path):
+    (tmp_path / "model.py").write_text(MODEL)
+
+    def run(*args):
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        out = subprocess.run(
+            [sys.executable, "-m", "jaxshard", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        return out.returncode, out.stdout, out.stderr
+
+    return run
+
+
+def test_contracts_hold(run):
+    code, out, _ = run("verify", "model:layer", "--mesh", "dp=4,tp=2", *DIMS)
+    assert code == 0, out
+    assert "model.layer  x" in out and "All 3 contracts hold." in out
+    assert "8 × cpu" in out
+
+
+def test_violations_exit_1(run):
+    code, out, _ = run(
+        "verify", "model.py:mis_annotated", "--mesh", "dp=4,tp=2", *DIMS
+    )
+    assert code == 1
+    assert "VIOLATED" in out and "1 of 6 contracts violated" in out
+
+
+def test_json(run):
+    code, out, _ = run(
+        "verify",
+        "model:mis_annotated",
+        "--mesh=dp=4,tp=2",
+        "--axis-types=auto",
+        "--json",
+        *DIMS,
+    )
+    assert code == 1
+    report = json.loads(out)
+    assert report["ok"] is False and report["mesh"] == {"dp": 4, "tp": 2}
+    (bad,) = [r for r in report["rows"] if not r["ok"]]
+    assert bad["name"] == "return" and bad["expected"] == "P('tp')"
+    assert bad["actual"] == "P('dp', 'tp')"
+    assert report["memory"]["arguments"] > 0
+
+
+def test_tpu_topology(run):
+    code, out, _ = run(
+        "verify", "model:layer", "--topology", "v5e:2x2", "--mesh", "dp=2,tp=2", *DIMS
+    )
+    assert code == 0, out
+    assert "4 × TPU v5 lite" in out
+
+
+def test_dtype(run):
+    code, out, _ = run(
+        "verify", "model:layer", "--mesh", "dp=4,tp=2", "--dtype", "bfloat16", *DIMS
+    )
+    assert code == 0 and "bfloat16[16,8]" in out
+
+
+def test_other_contract_failures_exit_1(run):
+    code, _, err = run("verify", "model:wrong_shape", "--mesh", "dp=4", *DIMS)
+    assert code == 1 and "TypeCheckError" in err
+
+
+@pytest.mark.parametrize(
+    "args, reason",
+    [
+        (["nowhere:f", "--mesh", "dp=4"], "cannot import module 'nowhere'"),
+        (["model:nothing", "--mesh", "dp=4"], "has no attribute 'nothing'"),
+        (["model", "--mesh", "dp=4"], "write MODULE:FUNCTION"),
+        (["model:layer", "--mesh", "dp4"], "bad --mesh 'dp4'"),
+        (["model:layer", "--mesh", "dp=4,tp=2", "--dim", "b=8"], "'d' (in x, w)"),
+        (["model:layer", "--mesh", "dp=4,tp=2", "--dim", "b"], "bad --dim 'b'"),
+        (
+            ["model:layer", "--mesh", "dp=2", "--topology", "v9:2x2", *DIMS],
+            "does not know the TPU topology 'v9:2x2'",
+        ),
+        (["model:layer", "--mesh", "dp=16", *DIMS, "--devices", "8"], "needs 16"),
+    ],
+)
+def test_usage_errors_exit_2(run, args, reason):
+    code, out, err = run("verify", *args)
+    assert code == 2 and out == ""
+    last = err.strip().splitlines()[-1]
+    assert reason in last, err
+
+
+def test_help_documents_every_option(run):
+    code, out, _ = run("verify", "--help")
+    assert code == 0
+    for option in [
+        "--topology",
+        "--mesh",
+        "--dim",
+        "--dtype",
+        "--devices",
+        "--axis-types",
+        "--json",
+        "exits 0",
+    ]:
+        assert option in out
