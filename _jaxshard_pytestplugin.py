@@ -33,9 +33,7 @@ def pytest_addoption(parser):
         help="simulate N CPU devices (set before JAX starts; overrides the "
         "jaxshard_devices ini option)",
     )
-    parser.addini(
-        "jaxshard_devices", help="simulate this many CPU devices", default=""
-    )
+    parser.addini("jaxshard_devices", help="simulate this many CPU devices", default="")
 
 
 def pytest_configure(config):
@@ -113,7 +111,9 @@ def mesh():
             )
         types = _axis_types(axis_types, len(axes))
         kwargs = {} if types is None else {"axis_types": types}
-        return jax.make_mesh(tuple(axes.values()), tuple(axes), devices=devices[:n], **kwargs)
+        return jax.make_mesh(
+            tuple(axes.values()), tuple(axes), devices=devices[:n], **kwargs
+        )
 
     return make
 

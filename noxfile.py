@@ -1,4 +1,5 @@
-"""The one place that knows how to run things: `nox -s tests`, `demo`, `bench`, `docs`, `lint`."""
+"""The one place that knows how to run things: `nox -s tests`, `demo`, `examples`,
+`bench`, `docs`, `lint`."""
 
 import nox
 
@@ -23,7 +24,8 @@ def tests(session):
 
 @nox.session
 def demo(session):
-    """A data- and tensor-parallel model whose contracts hold, then a mis-sharded call."""
+    """A data- and tensor-parallel model whose contracts hold, then a mis-sharded
+    call."""
     session.install("-e", ".")
     session.run("python", "examples/demo.py", env=EIGHT_CPU_DEVICES)
 
@@ -53,7 +55,6 @@ def docs(session):
 @nox.session
 def lint(session):
     session.install("ruff")
-    session.run("ruff", "check", "jaxshard", "tests", "examples", "benchmarks")
-    session.run(
-        "ruff", "format", "--check", "jaxshard", "tests", "examples", "benchmarks"
-    )
+    paths = ["jaxshard", "_jaxshard_pytestplugin.py", "tests", "examples", "benchmarks"]
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)

@@ -215,7 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             devices = args.devices or math.prod(axes.values())
             jax.config.update("jax_num_cpu_devices", devices)
         elif args.devices is not None:
-            raise ValueError("--devices is for CPU meshes; it conflicts with --topology")
+            raise ValueError(
+                "--devices is for CPU meshes; it conflicts with --topology"
+            )
         fn = _load(args.function)
         mesh = _make_mesh(axes, args.topology, args.axis_types)
         import jaxshard

@@ -1,6 +1,9 @@
 """jaxshard's exceptions: every contract failure is a `jaxtyping.TypeCheckError`."""
 
-from jaxtyping import AnnotationError as AnnotationError, TypeCheckError as TypeCheckError
+from jaxtyping import (
+    AnnotationError as AnnotationError,
+    TypeCheckError as TypeCheckError,
+)
 
 
 class ShardingError(TypeCheckError):

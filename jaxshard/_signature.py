@@ -65,7 +65,8 @@ def _is_array_annotation(annotation: Any) -> bool:
 
 def _leaves(tree: Any) -> list:
     return jax.tree.leaves(
-        tree, is_leaf=lambda x: x is None or isinstance(x, (PartitionSpec, NamedSharding))
+        tree,
+        is_leaf=lambda x: x is None or isinstance(x, (PartitionSpec, NamedSharding)),
     )
 
 

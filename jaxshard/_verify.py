@@ -17,10 +17,10 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import _config
+from ._array_types import partition_spec
 from ._decorator import jaxtyped
 from ._errors import AnnotationError, ShardingError, TypeCheckError
-from ._array_types import partition_spec
-from ._sharding import Site, describe_mesh, describe_sharding, naming
+from ._sharding import describe_mesh, describe_sharding, naming, Site
 from ._signature import _bound_inputs, _name, _tree, signature
 from ._spec import format_spec
 
@@ -306,7 +306,8 @@ def verify(
 
         ```python
         mesh = jaxshard.tpu_mesh("v5e:16x16", {"dp": 16, "tp": 16})
-        report = jaxshard.verify(forward, mesh=mesh, dims={"batch": 1024, "seqlen": 2048})
+        dims = {"batch": 1024, "seqlen": 2048}
+        report = jaxshard.verify(forward, mesh=mesh, dims=dims)
         print(report)
         ```
     """

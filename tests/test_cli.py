@@ -68,9 +68,7 @@ def test_contracts_hold(run):
 
 
 def test_violations_exit_1(run):
-    code, out, _ = run(
-        "verify", "model.py:mis_annotated", "--mesh", "dp=4,tp=2", *DIMS
-    )
+    code, out, _ = run("verify", "model.py:mis_annotated", "--mesh", "dp=4,tp=2", *DIMS)
     assert code == 1
     assert "VIOLATED" in out and "1 of 6 contracts violated" in out
 

@@ -89,9 +89,12 @@ def test_tpu_topology(run):
     run(test_tpu=TPU_TESTS).assert_outcomes(passed=2)
 
 
+NO_LIBTPU = "import _jaxshard_pytestplugin as p\np._libtpu_missing = lambda: True\n"
+
+
 def test_tpu_topology_skips_without_libtpu(run):
     result = run(
-        conftest="import _jaxshard_pytestplugin as p\np._libtpu_missing = lambda: True\n",
+        conftest=NO_LIBTPU,
         test_tpu=TPU_TESTS,
     )
     result.assert_outcomes(skipped=2)

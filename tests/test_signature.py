@@ -205,9 +205,7 @@ def test_pytree_needs_structure_for_abstract_args(auto_mesh):
     with pytest.raises(jaxtyping.AnnotationError, match="does not fix the structure"):
         jaxshard.abstract_args(f, auto_mesh, {"n": 8})
     tree = {"a": jax.ShapeDtypeStruct((8,), jnp.float32)}
-    assert jaxshard.abstract_args(f, auto_mesh, {"n": 8}, values={"x": tree}) == (
-        tree,
-    )
+    assert jaxshard.abstract_args(f, auto_mesh, {"n": 8}, values={"x": tree}) == (tree,)
 
 
 def test_values_must_name_parameters(auto_mesh):

@@ -1,4 +1,5 @@
-"""`jaxshard.verify` on meshes of simulated CPU devices (TPU topologies: test_tpu.py)."""
+"""`jaxshard.verify` on meshes of simulated CPU devices (TPU topologies: see
+test_tpu.py)."""
 
 import json
 
@@ -111,7 +112,9 @@ def test_collects_every_violation(mesh):
 
 
 def test_return_checked_after_propagation(auto_mesh):
-    report = jaxshard.verify(wrong_return, mesh=auto_mesh, dims=DIMS, raise_on_error=False)
+    report = jaxshard.verify(
+        wrong_return, mesh=auto_mesh, dims=DIMS, raise_on_error=False
+    )
     (bad,) = report.violations
     assert bad.name == "return" and bad.expected == P("tp")
     assert "after XLA's sharding propagation it is sharded as P('dp')" in bad.reason
