@@ -157,6 +157,19 @@ def in_tree_flatten() -> bool:
 _WRAPPER_CODE = ("wrapped_fn_impl", _jaxtyping_decorator.__file__)
 
 
+class FunctionName(str):
+    """`module.qualname`, which also knows its `qualname`."""
+
+    qualname: str
+
+
+def function_name(fn: Any) -> FunctionName:
+    qualname = str(getattr(fn, "__qualname__", fn))
+    out = FunctionName(f"{getattr(fn, '__module__', '?')}.{qualname}")
+    out.qualname = qualname
+    return out
+
+
 def checked_call() -> tuple[str, dict[str, Any], Any] | None:
     """Which `jaxtyped` function is being checked in this thread, if any.
 
@@ -170,7 +183,7 @@ def checked_call() -> tuple[str, dict[str, Any], Any] | None:
         if (code.co_name, code.co_filename) == _WRAPPER_CODE:
             local = frame.f_locals
             fn = local.get("fn")
-            name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+            name = function_name(fn)
             bound = local.get("bound")
             arguments = dict(bound.arguments) if bound is not None else {}
             return name, arguments, local.get("out")

@@ -20,6 +20,7 @@ from . import _config
 from ._array_types import partition_spec
 from ._decorator import jaxtyped
 from ._errors import AnnotationError, ShardingError, TypeCheckError
+from ._jax_internals import function_name
 from ._sharding import describe_mesh, describe_sharding, naming, Site
 from ._signature import _bound_inputs, _name, _tree, signature
 from ._spec import format_spec
@@ -41,8 +42,8 @@ class Row:
 
     **Attributes:**
 
-    - `function`: the qualified name of the checked function (`None` for an
-        `isinstance` check outside any).
+    - `function`: the checked function's qualified name, e.g. `"mlp"` or
+        `"Block.__call__"` (`None` for an `isinstance` check outside any).
     - `name`: the parameter, a path into it (`"params.w1"`), or `"return"`.
     - `expected`: the annotation's `PartitionSpec`.
     - `actual`: the sharding the value has in the compiled program (after sharding
@@ -238,7 +239,7 @@ class Recorder:
 
     def add(self, site: Site, actual: Any, reason: str) -> None:
         row = Row(
-            function=site.function,
+            function=getattr(site.function, "qualname", site.function),
             name=site.name,
             expected=site.spec,
             actual=actual,
@@ -325,7 +326,7 @@ def verify(
     checked = checked_by_jaxshard(fn)
     _, hints = signature(fn)
     target = inspect.unwrap(fn)
-    qualname = f"{target.__module__}.{target.__qualname__}"
+    qualname = function_name(target)
 
     def program(inputs):
         given = {**static, **inputs}

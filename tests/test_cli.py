@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -63,7 +64,10 @@ def run(tmp_path):
 def test_contracts_hold(run):
     code, out, _ = run("verify", "model:layer", "--mesh", "dp=4,tp=2", *DIMS)
     assert code == 0, out
-    assert "model.layer  x" in out and "All 3 contracts hold." in out
+    assert re.search(
+        r"^layer +x +float32\[16,8\] +P\('dp'\) +P\('dp'\) +ok$", out, re.M
+    )
+    assert "All 3 contracts hold." in out
     assert "8 × cpu" in out
 
 
