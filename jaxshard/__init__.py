@@ -38,6 +38,14 @@ from ._array_types import (
     UInt32 as UInt32,
     UInt64 as UInt64,
 )
+from ._checks import (
+    check as check,
+    CheckError as CheckError,
+    checked as checked,
+    deferred_checks as deferred_checks,
+    Failure as Failure,
+    flush_checks as flush_checks,
+)
 from ._config import config as config
 from ._decorator import jaxtyped as jaxtyped
 from ._errors import ShardingError as ShardingError
@@ -60,11 +68,16 @@ __version__ = "0.1.0"
 __all__ = [
     "abstract_args",
     "BFloat16",
+    "check",
+    "CheckError",
+    "checked",
     "Bool",
     "Complex",
     "Complex64",
     "Complex128",
     "config",
+    "deferred_checks",
+    "Failure",
     "Float",
     "Float8e4m3b11fnuz",
     "Float8e4m3fn",
@@ -74,6 +87,7 @@ __all__ = [
     "Float16",
     "Float32",
     "Float64",
+    "flush_checks",
     "Inexact",
     "Int",
     "Int2",

@@ -15,14 +15,18 @@ import jax
 
 class Settings(NamedTuple):
     sharding: str
+    checks: str
     # Set by `jaxshard.verify` while it traces and compiles: checks report to it
     # instead of raising. Part of the jit cache key, so every function is traced anew.
     recorder: object = None
+    # Set by `jaxshard.checked` while its function runs: the owner of the checks.
+    check_scope: object = None
 
 
 # name -> (environment variable, valid values; the first is the default)
 _SETTINGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "sharding": ("JAXSHARD_SHARDING", ("check", "off")),
+    "checks": ("JAXSHARD_CHECKS", ("raise", "deferred", "off")),
 }
 
 
@@ -75,6 +79,12 @@ def config(**settings: str) -> Iterator[None]:
         checks the sharding part of annotations; `"off"` skips it, while dtype and
         shape are still checked. Inside `jax.jit` the setting in force when the function
         is traced decides: a program traced with `"off"` carries no sharding checks.
+    - `checks`: what `jaxshard.check` does (environment variable `JAXSHARD_CHECKS`).
+        `"raise"` (the default): a `jaxshard.checked` function reads its error flags
+        after each call and raises `jaxshard.CheckError`. `"deferred"`: flags
+        accumulate on the device across calls and nothing waits for the device until
+        `jaxshard.flush_checks()`. `"off"`: checks are not traced at all; the compiled
+        program is the one without them.
 
     !!! Example
 

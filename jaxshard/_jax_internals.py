@@ -197,3 +197,106 @@ def backends_started() -> bool:
     from jax._src import xla_bridge
 
     return xla_bridge.backends_are_initialized()
+
+
+# --- the check accumulator ----------------------------------------------------------
+#
+# A value check writes what it found into a `jax.Ref` that lives outside every trace,
+# so the flags leave jit, scan, while, cond and remat the way JAX threads any closed-
+# over Ref: as extra, aliased inputs and outputs of the compiled program. JAX's own
+# Ref writes refuse to run under vmap, even with unbatched values; this primitive
+# instead reduces the batch away (its batching rule) and writes once per check. Its
+# discharge rule is the write itself.
+
+
+def _accumulate_abstract_eval(*args, n_refs, merge, reduce):
+    del args, merge, reduce
+    from jax._src.state import types as state_types
+
+    effects = set()
+    for i in range(n_refs):
+        effects |= {state_types.ReadEffect(i), state_types.WriteEffect(i)}
+    return [], effects
+
+
+def _accumulate_impl(*args, n_refs, merge, reduce):
+    del reduce
+    refs, stats = args[:n_refs], args[n_refs:]
+    for ref, new in zip(refs, merge(tuple(r[...] for r in refs), stats)):
+        ref[...] = new
+    return []
+
+
+def _accumulate_discharge(in_avals, out_avals, *args, n_refs, merge, reduce):
+    del in_avals, out_avals, reduce
+    refs, stats = args[:n_refs], args[n_refs:]
+    return tuple(merge(tuple(refs), stats)) + (None,) * len(stats), []
+
+
+def _accumulate_batch(axis_data, args, dims, *, n_refs, merge, reduce):
+    refs, stats = args[:n_refs], args[n_refs:]
+    assert all(d is None for d in dims[:n_refs]), "the state lives outside vmap"
+    size = axis_data.size
+    stats = [
+        jax.numpy.broadcast_to(s, (size, *jax.numpy.shape(s)))
+        if d is None
+        else jax.numpy.moveaxis(s, d, 0)
+        for s, d in zip(stats, dims[n_refs:])
+    ]
+    accumulate(refs, reduce(*stats), merge, reduce)
+    return [], []
+
+
+def _accumulate_jvp(primals, tangents, *, n_refs, merge, reduce):
+    del tangents  # checks look at values only
+    accumulate_p.bind(*primals, n_refs=n_refs, merge=merge, reduce=reduce)
+    return [], []
+
+
+accumulate_p = Primitive("jaxshard_check_accumulate")
+accumulate_p.multiple_results = True
+
+
+def _register_accumulate() -> None:
+    from jax._src.interpreters import batching as batching_internal
+    from jax._src.state import discharge as state_discharge
+
+    accumulate_p.def_impl(_accumulate_impl)
+    accumulate_p.def_effectful_abstract_eval(_accumulate_abstract_eval)
+    state_discharge.register_discharge_rule(accumulate_p)(_accumulate_discharge)
+    batching_internal.fancy_primitive_batchers[accumulate_p] = _accumulate_batch
+    ad.primitive_jvps[accumulate_p] = _accumulate_jvp
+
+
+_register_accumulate()
+
+
+def accumulate(refs: tuple, stats: tuple, merge: Callable, reduce: Callable) -> None:
+    """`refs[...] = merge(refs values, stats)`, for `jax.Ref`s made outside any
+    trace.
+
+    Under `vmap`, `reduce(*stats)` first turns stats with a leading batch dimension
+    into unbatched ones. Under autodiff only the primal values are used. `merge` and
+    `reduce` must be hashable and the same objects each time (they are primitive
+    parameters, part of JAX's caches).
+    """
+    accumulate_p.bind(
+        *refs, *stats, n_refs=len(refs), merge=merge, reduce=reduce
+    )
+
+
+def in_trace() -> bool:
+    """Whether JAX is tracing (inside jit, vmap, grad, ...) rather than running op by
+    op."""
+    from jax._src import core
+
+    return not isinstance(core.trace_ctx.trace, core.EvalTrace)
+
+
+def new_ref_outside_traces(value) -> Any:
+    """A `jax.Ref` holding `value`, made outside every trace even while tracing
+    (`jax.ensure_compile_time_eval` leaves vmap's trace in place)."""
+    from jax._src import core
+
+    with core.eval_context():
+        return jax.new_ref(jax.numpy.asarray(value))
