@@ -8,6 +8,7 @@ call; in "deferred" mode nothing is read until `flush_checks()`. See
 `_jax_internals.accumulate` for how the writes leave jit, scan, vmap and autodiff.
 """
 
+import contextlib
 import dataclasses
 import functools as ft
 import os
@@ -22,10 +23,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from . import _config
-from ._jax_internals import accumulate, in_trace, new_ref_outside_traces
+from ._jax_internals import (
+    accumulate,
+    context_mesh,
+    current_trace,
+    in_trace,
+    new_ref_in,
+    new_ref_outside_traces,
+)
 
 
 BATCH_DEPTH = 4  # vmap levels whose batch index a failure reports
@@ -125,6 +133,7 @@ class Site:
     device_axes: tuple[tuple[str, int], ...]  # manual axes, inside shard_map
     order: int
     state: Any = None  # Ref of int32[STATE_SIZE]
+    placement: Any = None  # its sharding, None for the default device
     values: tuple = ()  # Refs, one per value
 
     def failure(self, state: np.ndarray, values: list[Any], deferred: bool) -> Failure:
@@ -194,29 +203,36 @@ def _check_message(message: Any, values: dict[str, Any]) -> None:
 
 
 class Scope:
-    """The flags of one `checked` function: a flag raised by any of its checks, the
-    call counter, and its sites."""
+    """The flags of one `checked` function: its sites and, for each placement of its
+    state (the devices its programs run on), a flag raised by any of its checks and a
+    call counter."""
 
     def __init__(self, name: str):
         self.name = name
         self.sites: list[Site] = []
-        self._flag = None
-        self._calls = None
+        self.placement: Any = None  # where this call's programs run
+        self._refs: dict[Any, tuple[Any, Any]] = {}
         self._generation = -1
         self._lock = threading.Lock()
 
-    def refs(self):
-        if self._flag is None:
-            self._flag = new_ref_outside_traces(np.zeros((), bool))
-            self._calls = new_ref_outside_traces(np.zeros((), np.int32))
-        return self._flag, self._calls
+    def refs(self) -> tuple[Any, Any]:
+        """The flag and call counter for the current placement."""
+        if self.placement not in self._refs:
+            self._refs[self.placement] = (
+                new_ref_outside_traces(np.zeros((), bool), self.placement),
+                new_ref_outside_traces(np.zeros((), np.int32), self.placement),
+            )
+        return self._refs[self.placement]
 
-    def begin_call(self) -> None:
+    def begin_call(self, args: tuple, kwargs: dict) -> None:
+        self.placement = _placement(args, kwargs)
         _, calls = self.refs()
-        if self._generation != _generation[0]:
-            self._generation = _generation[0]
-            calls[...] = jnp.zeros((), jnp.int32)
-        else:
+        with _on(self.placement):
+            if self._generation != _generation[0]:
+                self._generation = _generation[0]
+                for placement, (_, old) in self._refs.items():
+                    with _on(placement):
+                        old[...] = jnp.full((), -1, jnp.int32)
             calls[...] = calls[...] + 1
 
     def add(self, site: Site) -> None:
@@ -224,25 +240,53 @@ class Scope:
             site.order = len(self.sites)
             self.sites.append(site)
 
-    def failed(self) -> bool:
-        flag, _ = self.refs()
-        return bool(flag[...])
-
     def take_failures(self, deferred: bool) -> list[Failure]:
         """The failures recorded so far, in program order; clears them."""
-        flag, _ = self.refs()
-        if not bool(flag[...]):
+        raised = []
+        for placement, (flag, _) in self._refs.items():
+            with _on(placement):
+                if bool(flag[...]):
+                    raised.append(placement)
+        if not raised:
             return []
         failures = []
         for site in self.sites:
-            state = np.asarray(site.state[...])
-            if state[COUNT] == 0:
+            if site.placement not in raised:
                 continue
-            values = [np.asarray(v[...]) for v in site.values]
+            with _on(site.placement):
+                state = np.asarray(site.state[...])
+                if state[COUNT] == 0:
+                    continue
+                values = [np.asarray(v[...]) for v in site.values]
+                site.state[...] = jnp.asarray(_INITIAL)
             failures.append(site.failure(state, values, deferred))
-            site.state[...] = jnp.asarray(_INITIAL)
-        flag[...] = jnp.zeros((), bool)
+        for placement in raised:
+            flag, _ = self._refs[placement]
+            with _on(placement):
+                flag[...] = jnp.zeros((), bool)
         return failures
+
+
+def _on(placement: Any):
+    """Host-side reads and writes of state placed on a mesh happen in its context."""
+    if isinstance(placement, NamedSharding):
+        return jax.set_mesh(placement.mesh)
+    return contextlib.nullcontext()
+
+
+def _placement(args: tuple, kwargs: dict) -> Any:
+    """Where the programs of a call run, so that the check state lives there too (a
+    program's arguments, the state among them, must share its devices): the mesh in
+    context, else that of the first array spread over several devices, else the
+    default device."""
+    mesh = context_mesh()
+    if mesh is not None:
+        return NamedSharding(mesh, PartitionSpec())
+    for leaf in jax.tree.leaves((args, kwargs)):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and len(sharding.device_set) > 1:
+            return NamedSharding(sharding.mesh, PartitionSpec())
+    return None
 
 
 _generation = [0]  # bumped when deferred counting restarts: call indices start at 0
@@ -295,7 +339,7 @@ def checked(fn: Callable) -> Callable:
                 "jax.jit?). Call the checked function from outside jit, or put the "
                 "jit inside: jaxshard.checked(jax.jit(f))."
             )
-        scope.begin_call()
+        scope.begin_call(args, kwargs)
         with _config.overriding(check_scope=scope):
             out = fn(*args, **kwargs)
         if settings.checks == "raise":
@@ -394,24 +438,100 @@ def check(pred: Any, msg: str, /, **values: Any) -> None:
         device_axes=axes,
         order=0,
     )
-    if scope is None:
+    frame = _frames.stack[-1] if _frames.stack else None
+    if frame is not None and axes:
+        frame.add(site, stats)
+    elif scope is None:
         _fallback(site, stats)
-        return
+    else:
+        _record(scope, site, (*stats[:3], -1, *stats[3:]))
+
+
+def _record(scope: Scope, site: Site, stats: tuple) -> None:
+    """Adds `site` to `scope` and accumulates one evaluation's `stats` (count,
+    element, device, iteration, *values) into its state."""
     flag, calls = scope.refs()
-    site.state = new_ref_outside_traces(_INITIAL)
+    site.placement = scope.placement
+    site.state = new_ref_outside_traces(_INITIAL, scope.placement)
     site.values = tuple(
-        new_ref_outside_traces(np.zeros((), v.dtype)) for v in values.values()
+        new_ref_outside_traces(np.zeros((), v.dtype), scope.placement)
+        for v in stats[4:]
     )
     scope.add(site)
-    count, element, device, *picked = stats
+    count, element, device, iteration, *picked = stats
     batch = jnp.full((BATCH_DEPTH,), -1, jnp.int32)
-    call = calls[...]
     accumulate(
         (site.state, flag, *site.values),
-        (count, element, batch, device, call, *picked),
+        (count, element, batch, device, calls[...], jnp.int32(iteration), *picked),
         _merge,
         _reduce,
     )
+
+
+class _Frames(threading.local):
+    def __init__(self):
+        self.stack: list["ShardMapFrame"] = []
+
+
+_frames = _Frames()
+
+
+class ShardMapFrame:
+    """The checks inside one `jaxshard.shard_map` body. JAX cannot close a shard_map
+    body over Refs from outside it, so the checks write to Refs made in the body, and
+    the body returns their contents (the same on every device), which are then
+    recorded outside as if the check had been made there."""
+
+    def __init__(self):
+        self.trace = current_trace()
+        self.flag = new_ref_in(self.trace, np.zeros((), bool))
+        self.sites: list[Site] = []
+
+    def add(self, site: Site, stats) -> None:
+        site.state = new_ref_in(self.trace, _INITIAL)
+        site.values = tuple(new_ref_in(self.trace, np.zeros((), v.dtype)) for v in stats[3:])
+        self.sites.append(site)
+        count, element, device, *picked = stats
+        batch = jnp.full((BATCH_DEPTH,), -1, jnp.int32)
+        call = jnp.zeros((), jnp.int32)
+        accumulate(
+            (site.state, self.flag, *site.values),
+            (count, element, batch, device, call, jnp.int32(-1), *picked),
+            _merge,
+            _reduce,
+        )
+
+    def contents(self) -> list:
+        """What the body returns: every site's state, read at the end of the body."""
+        return [(s.state[...], tuple(v[...] for v in s.values)) for s in self.sites]
+
+    def forward(self, contents: list) -> None:
+        """Records, outside the shard_map, what its body found."""
+        scope = _config.current().check_scope
+        for site, (state, values) in zip(self.sites, contents):
+            stats = (
+                state[COUNT],
+                state[ELEMENT],
+                state[DEVICE],
+                jnp.where(state[EVALS] > 1, state[ITERATION], -1),
+                *values,
+            )
+            outer = dataclasses.replace(site)
+            if scope is None:
+                _fallback(outer, (stats[0], stats[1], stats[2], *stats[4:]))
+            else:
+                _record(scope, outer, stats)
+
+
+@contextlib.contextmanager
+def shard_map_checks() -> Iterator[ShardMapFrame]:
+    """Inside a `jaxshard.shard_map` body: collects its checks (see `ShardMapFrame`)."""
+    frame = ShardMapFrame()
+    _frames.stack.append(frame)
+    try:
+        yield frame
+    finally:
+        _frames.stack.pop()
 
 
 def _check_now(pred, msg, values, filename, lineno) -> None:
@@ -474,9 +594,13 @@ def _statistics(pred, values: dict[str, Any]):
         return (jnp.sum(fail, dtype=jnp.int32), first, *picked)
 
     def passing(fail, *values):
-        del fail
-        zero = jnp.zeros((), jnp.int32)
-        return (zero, zero - 1, *(jnp.zeros((), v.dtype) for v in values))
+        # Inside shard_map the outputs vary over the same mesh axes as the inputs.
+        zero = _varying_like(fail, jnp.zeros((), jnp.int32))
+        return (
+            zero,
+            zero - 1,
+            *(_varying_like(v, jnp.zeros((), v.dtype)) for v in values),
+        )
 
     any_fail = jnp.any(fail)
     if manual:
@@ -490,6 +614,17 @@ def _statistics(pred, values: dict[str, Any]):
         count, first, device, picked = _combine_devices(count, first, picked, manual)
     axes = tuple((a, n) for a, n in manual)
     return (count, first, device, *picked), axes
+
+
+def _varying_like(source, x):
+    vma = tuple(sorted(_varying(source)))
+    return lax.pcast(x, vma, to="varying") if vma else x
+
+
+def _varying(x) -> set[str]:
+    """The shard_map mesh axes over which `x` differs from device to device."""
+    manual_type = getattr(jax.typeof(x), "manual_axis_type", None)
+    return set(getattr(manual_type, "varying", ()))
 
 
 def _flat_index(shape: tuple[int, ...]):
@@ -516,10 +651,10 @@ def _manual_axes(x) -> list[tuple[str, int]]:
 
 def _all_reduce(x, manual, op):
     names = tuple(a for a, _ in manual)
-    varying = set(getattr(jax.typeof(x), "vma", ())) or set(names)
+    varying = _varying(x) or set(names)
     missing = tuple(a for a in names if a not in varying)
     if missing:
-        x = lax.pvary(x, missing)
+        x = lax.pcast(x, missing, to="varying")
     return op(x, names)
 
 
@@ -542,15 +677,16 @@ def _combine_devices(count, first, picked, manual):
 
 def _merge(refs, stats):
     state, flag, *olds = refs
-    count, element, batch, device, call, *values = stats
+    count, element, batch, device, call, iteration, *values = stats
     fails = count > 0
     first = (state[COUNT] == 0) & fails
     evals = jnp.where(state[LAST_CALL] == call, state[EVALS], 0)
+    iteration = jnp.where(iteration >= 0, iteration, evals)
     new = jnp.stack(
         [
             state[COUNT] + count,
             jnp.where(first, call, state[CALL]),
-            jnp.where(first, evals, state[ITERATION]),
+            jnp.where(first, iteration, state[ITERATION]),
             jnp.where(first, element, state[ELEMENT]),
             jnp.where(first, device, state[DEVICE]),
             evals + 1,
@@ -562,7 +698,7 @@ def _merge(refs, stats):
     return (new.astype(jnp.int32), flag | fails, *values)
 
 
-def _reduce(count, element, batch, device, call, *values):
+def _reduce(count, element, batch, device, call, iteration, *values):
     has = count > 0
     first = jnp.argmax(has).astype(jnp.int32)
     index = jnp.where(jnp.any(has), first, -1).astype(jnp.int32)
@@ -573,6 +709,7 @@ def _reduce(count, element, batch, device, call, *values):
         batch,
         device[first],
         call[0],
+        iteration[first],
         *(v[first] for v in values),
     )
 

@@ -293,10 +293,27 @@ def in_trace() -> bool:
     return not isinstance(core.trace_ctx.trace, core.EvalTrace)
 
 
-def new_ref_outside_traces(value) -> Any:
-    """A `jax.Ref` holding `value`, made outside every trace even while tracing
-    (`jax.ensure_compile_time_eval` leaves vmap's trace in place)."""
+def new_ref_outside_traces(value, sharding=None) -> Any:
+    """A `jax.Ref` holding `value` (placed with `sharding`), made outside every trace
+    even while tracing (`jax.ensure_compile_time_eval` leaves vmap's trace in
+    place)."""
     from jax._src import core
 
     with core.eval_context():
+        return jax.new_ref(jax.device_put(value, sharding))
+
+
+def current_trace() -> Any:
+    """The innermost trace JAX is recording into."""
+    from jax._src import core
+
+    return core.trace_ctx.trace
+
+
+def new_ref_in(trace: Any, value) -> Any:
+    """A `jax.Ref` holding `value`, made in `trace` (an enclosing trace: a shard_map
+    body, while the current one is, say, a scan body inside it)."""
+    from jax._src import core
+
+    with core.set_current_trace(trace):
         return jax.new_ref(jax.numpy.asarray(value))

@@ -349,9 +349,31 @@ def shard_map(fn: Callable | None = None, mesh: Any = None, **kwargs) -> Callabl
                     "replicated value) or pass `out_specs=`."
                 )
             kwargs["out_specs"] = out
+    from ._checks import shard_map_checks
     from ._verify import checked_by_jaxshard
 
-    return jax.shard_map(checked_by_jaxshard(fn), mesh=mesh, **kwargs)
+    body = checked_by_jaxshard(fn)
+    frames = []
+
+    def body_with_checks(*args):
+        # Value checks inside the body come out as an extra, replicated output.
+        with shard_map_checks() as frame:
+            out = body(*args)
+        frames.append(frame)
+        return out, frame.contents()
+
+    kwargs["out_specs"] = (kwargs["out_specs"], PartitionSpec())
+    mapped = jax.shard_map(body_with_checks, mesh=mesh, **kwargs)
+
+    @ft.wraps(fn)
+    def wrapper(*args):
+        del frames[:]
+        out, contents = mapped(*args)
+        if frames:
+            frames[-1].forward(contents)
+        return out
+
+    return wrapper
 
 
 def _has_none(tree: Any) -> bool:
