@@ -40,6 +40,8 @@ from ._array_types import (
 )
 from ._checks import (
     check as check,
+    check_finite as check_finite,
+    check_range as check_range,
     CheckError as CheckError,
     checked as checked,
     deferred_checks as deferred_checks,
@@ -69,6 +71,8 @@ __all__ = [
     "abstract_args",
     "BFloat16",
     "check",
+    "check_finite",
+    "check_range",
     "CheckError",
     "checked",
     "Bool",

@@ -33,15 +33,19 @@ from ._jax_internals import (
     in_trace,
     new_ref_in,
     new_ref_outside_traces,
+    ref_contents,
 )
 
 
 BATCH_DEPTH = 4  # vmap levels whose batch index a failure reports
 # The int32 state of a check site:
-COUNT, CALL, ITERATION, ELEMENT, DEVICE, EVALS, LAST_CALL, BATCH = range(8)
+# The first three are updated on every evaluation, the others keep the first failure.
+COUNT, EVALS, LAST_CALL, CALL, ITERATION, ELEMENT, DEVICE, BATCH = range(8)
 STATE_SIZE = BATCH + BATCH_DEPTH
-_INITIAL = np.array([0, -1, -1, -1, -1, 0, -1] + [-1] * BATCH_DEPTH, np.int32)
+_INITIAL = np.array([0, 0, -1, -1, -1, -1, -1] + [-1] * BATCH_DEPTH, np.int32)
 _BIG = np.iinfo(np.int32).max
+# Predicates with fewer elements compute their details always: a branch costs more.
+_LARGE = 4096
 
 
 class CheckError(Exception):
@@ -132,16 +136,17 @@ class Site:
     shape: tuple[int, ...]  # of the predicate, per evaluation
     device_axes: tuple[tuple[str, int], ...]  # manual axes, inside shard_map
     order: int
-    state: Any = None  # Ref of int32[STATE_SIZE]
-    placement: Any = None  # its sharding, None for the default device
-    values: tuple = ()  # Refs, one per value
+    dtypes: tuple = ()  # of the values
+    state: "State | None" = None
 
     def failure(self, state: np.ndarray, values: list[Any], deferred: bool) -> Failure:
         values_at = dict(zip(self.names, (v.item() for v in values)))
         size = int(np.prod(self.shape))
         element = None
         if self.shape and state[ELEMENT] >= 0:
-            element = tuple(int(i) for i in np.unravel_index(state[ELEMENT], self.shape))
+            element = tuple(
+                int(i) for i in np.unravel_index(state[ELEMENT], self.shape)
+            )
         batch = tuple(int(b) for b in state[BATCH:] if b >= 0) or None
         device = None
         if self.device_axes and state[DEVICE] >= 0:
@@ -199,6 +204,145 @@ def _check_message(message: Any, values: dict[str, Any]) -> None:
         )
 
 
+# --- the state on the device: one or two small Refs per site ------------------------------
+#
+# Each check costs compile time for every operation it adds (about a millisecond each
+# on XLA's CPU compiler): the update below is a handful of vector operations on the
+# site's own Refs. (Sharing one Ref between sites is slower to compile: XLA's
+# dynamic-update-slice chains cost more than separate buffers.)
+
+
+@dataclasses.dataclass(eq=False)
+class State:
+    """A site's state: int32[STATE_SIZE + integer values] and, if the site has
+    floating-point values, float32[their columns]."""
+
+    ints: Any
+    floats: Any
+    placement: Any
+
+    @classmethod
+    def new(cls, dtypes, placement: Any, make: Callable) -> "State":
+        n_ints, n_floats = _columns(dtypes)
+        ints = np.concatenate([_INITIAL, np.zeros(n_ints, np.int32)])
+        floats = make(np.zeros(n_floats, np.float32)) if n_floats else None
+        return cls(ints=make(ints), floats=floats, placement=placement)
+
+    def refs(self) -> tuple:
+        return (self.ints,) if self.floats is None else (self.ints, self.floats)
+
+    def read(self) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """The contents if the site failed (and then clears them)."""
+        ints = np.asarray(ref_contents(self.ints))
+        if ints[COUNT] == 0:
+            return None
+        floats = None
+        if self.floats is not None:
+            floats = np.asarray(ref_contents(self.floats))
+        reset = np.concatenate([_INITIAL, np.zeros(len(ints) - STATE_SIZE, np.int32)])
+        with _on(self.placement):
+            self.ints[...] = jnp.asarray(reset)
+        return ints, floats
+
+
+def _kind(dtype) -> str:
+    """How a value is stored: in float32 ("f"; "c", two of them, for complex) or in
+    int32 ("i"); the message shows it in its own dtype."""
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return "c"
+    return "f" if jnp.issubdtype(dtype, jnp.floating) else "i"
+
+
+def _columns(dtypes) -> tuple[int, int]:
+    kinds = [_kind(d) for d in dtypes]
+    return kinds.count("i"), kinds.count("f") + 2 * kinds.count("c")
+
+
+def _encode(values: list) -> tuple[list, list]:
+    """Values as int32 and float32 scalars."""
+    ints, floats = [], []
+    for v in values:
+        kind = _kind(v.dtype)
+        if kind == "c":
+            floats += [jnp.real(v).astype(jnp.float32), jnp.imag(v).astype(jnp.float32)]
+        elif kind == "f":
+            floats.append(v.astype(jnp.float32))
+        elif v.dtype == jnp.uint32:
+            ints.append(lax.bitcast_convert_type(v, jnp.int32))
+        else:
+            ints.append(v.astype(jnp.int32))
+    return ints, floats
+
+
+def _decode(dtypes, ints: np.ndarray, floats: np.ndarray | None) -> list:
+    out, i, f = [], 0, 0
+    for dtype in dtypes:
+        kind = _kind(dtype)
+        if kind == "c":
+            out.append(np.asarray(complex(floats[f], floats[f + 1])))
+            f += 2
+        elif kind == "f":
+            value = floats[f]
+            out.append(
+                np.asarray(value if dtype == jnp.bfloat16 else value.astype(dtype))
+            )
+            f += 1
+        else:
+            raw = ints[i : i + 1]
+            value = raw.view(np.uint32) if dtype == np.uint32 else raw.astype(dtype)
+            out.append(np.asarray(value[0]))
+            i += 1
+    return out
+
+
+def _decode_traced(dtypes, ints, floats) -> list:
+    out, i, f = [], 0, 0
+    for dtype in dtypes:
+        kind = _kind(dtype)
+        if kind == "c":
+            out.append(lax.complex(floats[f], floats[f + 1]).astype(dtype))
+            f += 2
+        elif kind == "f":
+            out.append(floats[f].astype(dtype))
+            f += 1
+        else:
+            raw = ints[i]
+            out.append(
+                lax.bitcast_convert_type(raw, dtype)
+                if dtype == jnp.uint32
+                else raw.astype(dtype)
+            )
+            i += 1
+    return out
+
+
+def _merge(refs, stats):
+    """Merges one evaluation's statistics into a site's state."""
+    flag, ints, *floats = refs
+    count, element, batch, device, call, iteration, *values = stats
+    old = ints[:STATE_SIZE]
+    fails = count > 0
+    first = (old[COUNT] == 0) & fails
+    evals = lax.select(old[LAST_CALL] == call, old[EVALS], jnp.int32(0))
+    iteration = lax.select(iteration >= 0, iteration, evals)
+    new_ints, new_floats = _encode(values)
+    fields = [old[COUNT] + count, evals + 1, call, call, iteration, element, device]
+    new = jnp.concatenate([jnp.stack(fields), batch, *(v[None] for v in new_ints)])
+    always = lax.broadcasted_iota(jnp.int32, new.shape, 0) <= LAST_CALL
+    new = lax.select(always | first, new, ints)
+    out = [flag | fails, new]
+    if floats:
+        (old_floats,) = floats
+        out.append(
+            lax.select(
+                jnp.broadcast_to(first, old_floats.shape),
+                jnp.stack(new_floats),
+                old_floats,
+            )
+        )
+    return tuple(out)
+
+
 # --- scopes: who reads the flags --------------------------------------------------------
 
 
@@ -236,6 +380,12 @@ class Scope:
             calls[...] = calls[...] + 1
 
     def add(self, site: Site) -> None:
+        """Gives `site` its state, placed where this call's programs run."""
+        site.state = State.new(
+            site.dtypes,
+            self.placement,
+            ft.partial(new_ref_outside_traces, sharding=self.placement),
+        )
         with self._lock:
             site.order = len(self.sites)
             self.sites.append(site)
@@ -247,31 +397,21 @@ class Scope:
             with _on(placement):
                 if bool(flag[...]):
                     raised.append(placement)
-        if not raised:
-            return []
+                    flag[...] = jnp.zeros((), bool)
         failures = []
-        for site in self.sites:
-            if site.placement not in raised:
-                continue
-            with _on(site.placement):
-                state = np.asarray(site.state[...])
-                if state[COUNT] == 0:
-                    continue
-                values = [np.asarray(v[...]) for v in site.values]
-                site.state[...] = jnp.asarray(_INITIAL)
-            failures.append(site.failure(state, values, deferred))
-        for placement in raised:
-            flag, _ = self._refs[placement]
-            with _on(placement):
-                flag[...] = jnp.zeros((), bool)
+        for site in self.sites if raised else ():
+            found = site.state.read() if site.state.placement in raised else None
+            if found is not None:
+                ints, floats = found
+                values = _decode(site.dtypes, ints[STATE_SIZE:], floats)
+                failures.append(site.failure(ints[:STATE_SIZE], values, deferred))
         return failures
 
 
 def _on(placement: Any):
-    """Host-side reads and writes of state placed on a mesh happen in its context."""
-    if isinstance(placement, NamedSharding):
-        return jax.set_mesh(placement.mesh)
-    return contextlib.nullcontext()
+    """Host-side reads and writes of the state happen in the context of its mesh (no
+    mesh for state on one device), whatever mesh the caller has set."""
+    return jax.set_mesh(placement.mesh if placement is not None else None)
 
 
 def _placement(args: tuple, kwargs: dict) -> Any:
@@ -413,6 +553,12 @@ def check(pred: Any, msg: str, /, **values: Any) -> None:
         ```
     """
     __tracebackhide__ = True
+    _check(pred, msg, values)
+
+
+def _check(pred: Any, msg: str, values: dict[str, Any], shape=None) -> None:
+    """`check`; `shape` is that of the array the predicate was computed from, when
+    the predicate is a reshaped view of it (for the failing element's index)."""
     settings = _config.current()
     if settings.checks == "off":
         return
@@ -434,9 +580,10 @@ def check(pred: Any, msg: str, /, **values: Any) -> None:
         filename=filename,
         lineno=lineno,
         names=tuple(values),
-        shape=tuple(pred.shape),
+        shape=tuple(pred.shape if shape is None else shape),
         device_axes=axes,
         order=0,
+        dtypes=tuple(v.dtype for v in values.values()),
     )
     frame = _frames.stack[-1] if _frames.stack else None
     if frame is not None and axes:
@@ -451,18 +598,16 @@ def _record(scope: Scope, site: Site, stats: tuple) -> None:
     """Adds `site` to `scope` and accumulates one evaluation's `stats` (count,
     element, device, iteration, *values) into its state."""
     flag, calls = scope.refs()
-    site.placement = scope.placement
-    site.state = new_ref_outside_traces(_INITIAL, scope.placement)
-    site.values = tuple(
-        new_ref_outside_traces(np.zeros((), v.dtype), scope.placement)
-        for v in stats[4:]
-    )
     scope.add(site)
+    _accumulate(site, flag, calls[...], stats)
+
+
+def _accumulate(site: Site, flag: Any, call: Any, stats: tuple) -> None:
     count, element, device, iteration, *picked = stats
     batch = jnp.full((BATCH_DEPTH,), -1, jnp.int32)
     accumulate(
-        (site.state, flag, *site.values),
-        (count, element, batch, device, calls[...], jnp.int32(iteration), *picked),
+        (flag, *site.state.refs()),
+        (count, element, batch, device, call, jnp.int32(iteration), *picked),
         _merge,
         _reduce,
     )
@@ -488,35 +633,31 @@ class ShardMapFrame:
         self.sites: list[Site] = []
 
     def add(self, site: Site, stats) -> None:
-        site.state = new_ref_in(self.trace, _INITIAL)
-        site.values = tuple(new_ref_in(self.trace, np.zeros((), v.dtype)) for v in stats[3:])
+        site.state = State.new(site.dtypes, None, ft.partial(new_ref_in, self.trace))
         self.sites.append(site)
         count, element, device, *picked = stats
-        batch = jnp.full((BATCH_DEPTH,), -1, jnp.int32)
         call = jnp.zeros((), jnp.int32)
-        accumulate(
-            (site.state, self.flag, *site.values),
-            (count, element, batch, device, call, jnp.int32(-1), *picked),
-            _merge,
-            _reduce,
-        )
+        _accumulate(site, self.flag, call, (count, element, device, -1, *picked))
 
     def contents(self) -> list:
         """What the body returns: every site's state, read at the end of the body."""
-        return [(s.state[...], tuple(v[...] for v in s.values)) for s in self.sites]
+        return [tuple(r[...] for r in s.state.refs()) for s in self.sites]
 
     def forward(self, contents: list) -> None:
         """Records, outside the shard_map, what its body found."""
         scope = _config.current().check_scope
-        for site, (state, values) in zip(self.sites, contents):
+        for site, (ints, *floats) in zip(self.sites, contents):
+            values = _decode_traced(
+                site.dtypes, ints[STATE_SIZE:], floats[0] if floats else None
+            )
             stats = (
-                state[COUNT],
-                state[ELEMENT],
-                state[DEVICE],
-                jnp.where(state[EVALS] > 1, state[ITERATION], -1),
+                ints[COUNT],
+                ints[ELEMENT],
+                ints[DEVICE],
+                jnp.where(ints[EVALS] > 1, ints[ITERATION], -1),
                 *values,
             )
-            outer = dataclasses.replace(site)
+            outer = dataclasses.replace(site, state=None)
             if scope is None:
                 _fallback(outer, (stats[0], stats[1], stats[2], *stats[4:]))
             else:
@@ -552,7 +693,9 @@ def _check_now(pred, msg, values, filename, lineno) -> None:
             shown[name] = f"<{name}: traced>"
         else:
             v = np.asarray(value)
-            shown[name] = np.broadcast_to(v, ok.shape)[index].item() if v.shape else v.item()
+            shown[name] = (
+                np.broadcast_to(v, ok.shape)[index].item() if v.shape else v.item()
+            )
     raise CheckError(
         [
             Failure(
@@ -587,10 +730,14 @@ def _statistics(pred, values: dict[str, Any]):
     manual = _manual_axes(pred)
 
     def details(fail, *values):
+        if not shape:
+            count = fail.astype(jnp.int32)
+            return (count, count - 1, *values)
         flat = _flat_index(shape)
-        first = jnp.min(jnp.where(fail, flat, _BIG)).astype(jnp.int32)
+        big = jnp.full(shape, _BIG, jnp.int32)
+        first = jnp.min(lax.select(fail, flat, big))
         at = flat == first
-        picked = [jnp.sum(jnp.where(at, v, jnp.zeros((), v.dtype))) for v in values]
+        picked = [jnp.sum(lax.select(at, v, jnp.zeros(shape, v.dtype))) for v in values]
         return (jnp.sum(fail, dtype=jnp.int32), first, *picked)
 
     def passing(fail, *values):
@@ -602,13 +749,16 @@ def _statistics(pred, values: dict[str, Any]):
             *(_varying_like(v, jnp.zeros((), v.dtype)) for v in values),
         )
 
-    any_fail = jnp.any(fail)
-    if manual:
-        any_fail = _all_reduce(any_fail, manual, lax.pmax)
-    # The details cost a few passes over the data: only when something failed.
-    count, first, *picked = lax.cond(
-        any_fail, details, passing, fail, *values.values()
-    )
+    if pred.size < _LARGE:
+        count, first, *picked = details(fail, *values.values())
+    else:
+        # The details cost a few passes over the data: only when something failed.
+        any_fail = jnp.any(fail)
+        if manual:
+            any_fail = _all_reduce(any_fail, manual, lax.pmax)
+        count, first, *picked = lax.cond(
+            any_fail, details, passing, fail, *values.values()
+        )
     device = jnp.full((), -1, jnp.int32)
     if manual:
         count, first, device, picked = _combine_devices(count, first, picked, manual)
@@ -675,29 +825,6 @@ def _combine_devices(count, first, picked, manual):
     return total, pick(first), first_device, [pick(v) for v in picked]
 
 
-def _merge(refs, stats):
-    state, flag, *olds = refs
-    count, element, batch, device, call, iteration, *values = stats
-    fails = count > 0
-    first = (state[COUNT] == 0) & fails
-    evals = jnp.where(state[LAST_CALL] == call, state[EVALS], 0)
-    iteration = jnp.where(iteration >= 0, iteration, evals)
-    new = jnp.stack(
-        [
-            state[COUNT] + count,
-            jnp.where(first, call, state[CALL]),
-            jnp.where(first, iteration, state[ITERATION]),
-            jnp.where(first, element, state[ELEMENT]),
-            jnp.where(first, device, state[DEVICE]),
-            evals + 1,
-            call,
-        ]
-    )
-    new = jnp.concatenate([new, jnp.where(first, batch, state[BATCH:])])
-    values = [jnp.where(first, v, old) for v, old in zip(values, olds)]
-    return (new.astype(jnp.int32), flag | fails, *values)
-
-
 def _reduce(count, element, batch, device, call, iteration, *values):
     has = count > 0
     first = jnp.argmax(has).astype(jnp.int32)
@@ -741,3 +868,96 @@ def _raise_from_callback(site: Site, count, element, device, *values) -> None:
         failure = dataclasses.replace(failure, batch_index=batch)
     raise CheckError([failure], when=" (in a host callback: no jaxshard.checked call)")
 
+
+# --- ready-made checks --------------------------------------------------------------
+
+
+def check_finite(tree: Any, name: str | None = None) -> None:
+    """Checks that no leaf of `tree` holds NaN or infinity.
+
+    Each floating-point leaf is its own check, so a failure names the leaves that hold
+    non-finite values, by tree path, with how many they hold and the first one. Leaves
+    that are not floating point are skipped.
+
+    On a mesh with Explicit axes a replicated leaf is checked a slice per device
+    rather than whole on every device: each device looks at its share, and one
+    boolean is combined across devices.
+
+    **Arguments:**
+
+    - `tree`: a pytree of arrays, e.g. gradients.
+    - `name`: what to call the tree in messages (default `"tree"`).
+
+    !!! Example
+
+        ```python
+        jaxshard.check_finite(grads, name="grads")
+        ```
+    """
+    name = "tree" if name is None else name
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            continue
+        where = name + jax.tree_util.keystr(path)
+        x = _spread(leaf)
+        _check(
+            jnp.isfinite(x),
+            f"{where} holds NaN or infinity (first: {{value}})",
+            {"value": x},
+            shape=jnp.shape(leaf),
+        )
+
+
+def check_range(
+    x: Any, lo: Any = None, hi: Any = None, name: str | None = None
+) -> None:
+    """Checks `lo <= x <= hi` elementwise (either bound may be `None`).
+
+    **Arguments:**
+
+    - `x`: an array.
+    - `lo`, `hi`: bounds, scalars or arrays broadcastable to `x`'s shape.
+    - `name`: what to call `x` in the message (default `"value"`).
+
+    !!! Example
+
+        ```python
+        jaxshard.check_range(tokens, 0, vocab_size - 1, name="token id")
+        ```
+    """
+    if lo is None and hi is None:
+        raise ValueError("jaxshard.check_range: give `lo`, `hi` or both.")
+    name = "value" if name is None else name
+    x = jnp.asarray(x)
+    ok = jnp.ones(x.shape, bool)
+    if lo is not None:
+        ok = ok & (x >= lo)
+    if hi is not None:
+        ok = ok & (x <= hi)
+    lo_text = "-inf" if lo is None else "{lo}"
+    hi_text = "inf" if hi is None else "{hi}"
+    bounds = {}
+    if lo is not None:
+        bounds["lo"] = lo
+    if hi is not None:
+        bounds["hi"] = hi
+    _check(ok, f"{name} {{x}} is outside [{lo_text}, {hi_text}]", {"x": x, **bounds})
+
+
+def _spread(x: Any) -> Any:
+    """`x`, flattened and laid out over every device of its Explicit mesh when it is
+    replicated there: a check on it then runs a slice per device."""
+    if not isinstance(x, jax.core.Tracer):
+        return x
+    sharding = jax.typeof(x).sharding
+    mesh = sharding.mesh
+    if (
+        mesh.empty
+        or set(mesh.axis_types) != {AxisType.Explicit}
+        or any(e is not None for e in sharding.spec)
+        or x.size % mesh.size
+        or x.size < 4 * mesh.size
+    ):
+        return x
+    flat = x.reshape(mesh.size, -1)
+    return jax.sharding.reshard(flat, PartitionSpec(tuple(mesh.axis_names)))

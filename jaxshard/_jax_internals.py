@@ -280,9 +280,7 @@ def accumulate(refs: tuple, stats: tuple, merge: Callable, reduce: Callable) -> 
     `reduce` must be hashable and the same objects each time (they are primitive
     parameters, part of JAX's caches).
     """
-    accumulate_p.bind(
-        *refs, *stats, n_refs=len(refs), merge=merge, reduce=reduce
-    )
+    accumulate_p.bind(*refs, *stats, n_refs=len(refs), merge=merge, reduce=reduce)
 
 
 def in_trace() -> bool:
@@ -317,3 +315,9 @@ def new_ref_in(trace: Any, value) -> Any:
 
     with core.set_current_trace(trace):
         return jax.new_ref(jax.numpy.asarray(value))
+
+
+def ref_contents(ref) -> Any:
+    """The array a `jax.Ref` holds, without running an operation (reading with
+    `ref[...]` costs a dispatch per Ref, which adds up over a thousand checks)."""
+    return ref._refs._buf

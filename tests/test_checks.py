@@ -1,0 +1,496 @@
+"""Value contracts: `check`, `checked`, the modes, and every transformation."""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxshard
+
+
+def line_of(text):
+    """The line of this file holding `text`."""
+    with open(__file__) as f:
+        for i, line in enumerate(f, 1):
+            if text in line and "line_of" not in line:
+                return i
+    raise AssertionError(text)
+
+
+def failures(fn, *args):
+    """The failures `fn(*args)` raises, as (message, line) pairs."""
+    with pytest.raises(jaxshard.CheckError) as e:
+        fn(*args)
+    for f in e.value.failures:
+        assert f.filename == __file__
+    return e.value.failures
+
+
+# --- eager and trace-time ---------------------------------------------------------------
+
+
+def test_eager_raises_at_once():
+    jaxshard.check(jnp.array([1, 2]) > 0, "fine")
+    with pytest.raises(jaxshard.CheckError) as e:
+        jaxshard.check(jnp.array([1, -2, -3]) > 0, "x is {x}", x=jnp.array([1, -2, -3]))
+    (f,) = e.value.failures
+    assert f.message == "x is -2" and f.count == 2 and f.element == (1,)
+    assert f.lineno == line_of('"x is {x}", x=jnp.array([1, -2, -3])')
+    assert "x is -2" in str(e.value) and "test_checks.py" in str(e.value)
+
+
+def test_known_at_trace_time():
+    def f(x):
+        jaxshard.check(x.shape[0] == 3, "three rows")
+        return x * 2
+
+    plain = jax.jit(lambda x: x * 2).lower(jnp.ones(3)).as_text()
+    checked = jax.jit(jaxshard.checked(f)).lower if False else None
+    del checked
+    # True at trace time: nothing in the program.
+    assert jax.jit(f).lower(jnp.ones(3)).as_text() == plain.replace(
+        "jit__lambda", "jit_f"
+    )
+    with pytest.raises(jaxshard.CheckError, match="three rows"):
+        jax.jit(f).lower(jnp.ones(4))
+
+
+# --- checked: jit, nested jit, loops ------------------------------------------------------
+
+
+def test_checked_jit_reports_every_failure_in_program_order():
+    @jaxshard.checked
+    @jax.jit
+    def f(x):
+        jaxshard.check(x > 0, "positive {v}", v=x)
+        y = jax.jit(lambda y: (jaxshard.check(y < 10, "small {v}", v=y), y * 2)[1])(x)
+        jaxshard.check(jnp.all(y != 4), "no four")
+        return y
+
+    np.testing.assert_allclose(f(jnp.array([1.0, 3.0])), [2.0, 6.0])
+    found = failures(f, jnp.array([2.0, -1.0, 11.0, 12.0]))
+    assert [x.message for x in found] == ["positive -1.0", "small 11.0", "no four"]
+    assert [x.count for x in found] == [1, 2, 1]
+    assert found[0].element == (1,) and found[1].element == (2,)
+    assert found[2].element is None  # a scalar predicate
+    # The flags were cleared: a passing call passes.
+    f(jnp.array([1.0, 3.0]))
+
+
+def test_jit_inside():
+    inner = jax.jit(lambda x: jaxshard.check(x > 0, "inner {x}", x=x))
+
+    @jaxshard.checked
+    def f(x):
+        inner(x)
+        return x + 1
+
+    f(jnp.ones(3))
+    (found,) = failures(f, jnp.array([1.0, -5.0]))
+    assert found.message == "inner -5.0"
+
+
+def test_scan_reports_the_iteration():
+    @jaxshard.checked
+    @jax.jit
+    def f(xs):
+        def body(c, x):
+            jaxshard.check(x < 5, "step value {x}", x=x)
+            return c + x, None
+
+        return jax.lax.scan(body, 0.0, xs)[0]
+
+    (found,) = failures(f, jnp.array([1.0, 2.0, 7.0, 1.0, 9.0]))
+    assert (
+        found.iteration == 2 and found.count == 2 and found.message == "step value 7.0"
+    )
+    assert "iteration 2" in str(found)
+    # The iteration counts from the start of each call.
+    (found,) = failures(f, jnp.array([7.0, 1.0]))
+    assert found.iteration == 0
+
+
+def test_while_fori_and_cond():
+    @jaxshard.checked
+    @jax.jit
+    def f(x):
+        def body(i, acc):
+            jaxshard.check(x[i] != 3, "fori {i}", i=i)
+            return acc + x[i]
+
+        total = jax.lax.fori_loop(0, x.shape[0], body, 0.0)
+        jax.lax.while_loop(
+            lambda i: i < 2,
+            lambda i: (jaxshard.check(i < 1, "while {i}", i=i), i + 1)[1],
+            0,
+        )
+        jax.lax.cond(
+            total > 100,
+            lambda: jaxshard.check(total < 0, "cond {t}", t=total),
+            lambda: None,
+        )
+        return total
+
+    found = failures(f, jnp.array([1.0, 3.0, 200.0]))
+    assert [x.message for x in found] == ["fori 1", "while 1", "cond 204.0"]
+    assert found[0].iteration == 1 and found[1].iteration == 1
+    # The branch not taken does not report.
+    found = failures(f, jnp.array([1.0, 3.0]))
+    assert [x.message for x in found] == ["fori 1", "while 1"]
+
+
+def test_vmap_reports_the_batch_index():
+    @jaxshard.checked
+    @jax.jit
+    def f(x):
+        def row(r):
+            jaxshard.check(r >= 0, "row value {r}", r=r)
+            return r.sum()
+
+        return jax.vmap(jax.vmap(row))(x)
+
+    x = jnp.zeros((3, 4, 5)).at[2, 1, 3].set(-1.0).at[2, 3, 0].set(-2.0)
+    (found,) = failures(f, x)
+    assert found.batch_index == (2, 1) and found.element == (3,)
+    assert found.count == 2 and found.message == "row value -1.0"
+
+
+def test_vmap_of_jit_and_scan_inside_vmap():
+    check = jax.jit(lambda r: jaxshard.check(r < 1, "r {r}", r=r))
+
+    @jaxshard.checked
+    @jax.jit
+    def f(x):
+        jax.vmap(check)(x)
+        jax.vmap(
+            lambda r: jax.lax.scan(
+                lambda c, e: (jaxshard.check(e != 5, "e {e}", e=e), c)[1:] + (None,),
+                0,
+                r,
+            )
+        )(x)
+        return x
+
+    x = jnp.array([[0.0, 0.0], [0.0, 5.0]])
+    found = failures(f, x)
+    assert [(x.message, x.batch_index) for x in found] == [
+        ("r 5.0", (1,)),
+        ("e 5.0", (1,)),
+    ]
+    assert found[1].iteration == 1
+
+
+# --- autodiff and remat -------------------------------------------------------------------
+
+
+def loss(w):
+    jaxshard.check(jnp.isfinite(w), "weight {w}", w=w)
+    return jnp.sum(jnp.sin(w) ** 2)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda w: jax.grad(loss)(w),
+        lambda w: jax.value_and_grad(jax.checkpoint(loss))(w),
+        lambda w: jax.jvp(loss, (w,), (jnp.ones_like(w),)),
+        lambda w: jax.vjp(loss, w)[1](1.0),
+        lambda w: jax.hessian(loss)(w),
+        lambda w: jax.vmap(jax.grad(loss))(w[None]),
+    ],
+    ids=["grad", "remat", "jvp", "vjp", "hessian", "vmap-grad"],
+)
+def test_autodiff_checks_primal_values(transform):
+    f = jaxshard.checked(jax.jit(transform))
+    f(jnp.ones(3))
+    (found,) = failures(f, jnp.array([1.0, jnp.inf, 2.0]))
+    assert found.message == "weight inf" and found.element == (1,)
+
+
+def test_remat_scan_grad():
+    def layer(h, w):
+        jaxshard.check(jnp.abs(h) < 1e3, "activation {h}", h=h)
+        return jnp.tanh(h * w), None
+
+    @jaxshard.checked
+    @jax.jit
+    def f(ws):
+        return jax.grad(
+            lambda ws: jax.lax.scan(jax.checkpoint(layer), 1.0, ws)[0] ** 2
+        )(ws)
+
+    f(jnp.ones(4))
+    (found,) = failures(f, jnp.array([1.0, 1.0, jnp.nan, 1.0]))
+    assert found.message == "activation nan" and found.iteration == 3
+
+
+# --- dead code ----------------------------------------------------------------------------
+
+
+def test_checks_are_never_dead_code():
+    @jaxshard.checked
+    @jax.jit
+    def f(x):
+        unused = x * 2
+        jaxshard.check(unused < 0, "unused {u}", u=unused)
+        return jnp.zeros(())
+
+    (found,) = failures(f, jnp.ones(2))
+    assert found.message == "unused 2.0"
+
+
+# --- modes --------------------------------------------------------------------------------
+
+
+def step_fn():
+    @jaxshard.checked
+    @jax.jit
+    def step(x):
+        jaxshard.check(x < 3, "too big {x}", x=x)
+        jaxshard.check(x > -3, "too small {x}", x=x)
+        return x + 1
+
+    return step
+
+
+def test_deferred_block_reports_the_call():
+    step = step_fn()
+    with pytest.raises(jaxshard.CheckError) as e:
+        with jaxshard.deferred_checks():
+            for i in range(10):
+                step(jnp.float32(i if i in (4, 6) else 0) * (-1 if i == 6 else 1))
+    found = e.value.failures
+    assert [(x.message, x.call, x.count) for x in found] == [
+        ("too big 4.0", 4, 1),
+        ("too small -6.0", 6, 1),
+    ]
+    assert "call 4" in str(e.value)
+    # Nothing left over, and counting restarts.
+    with jaxshard.deferred_checks():
+        step(jnp.float32(0))
+    with pytest.raises(jaxshard.CheckError) as e:
+        with jaxshard.deferred_checks():
+            step(jnp.float32(0))
+            step(jnp.float32(9))
+            step(jnp.float32(9))
+    ((_, call, count),) = [(x.message, x.call, x.count) for x in e.value.failures]
+    assert (call, count) == (1, 2)
+
+
+def test_deferred_mode_and_flush():
+    step = step_fn()
+    with jaxshard.config(checks="deferred"):
+        jaxshard.flush_checks()  # start counting here
+        for i in range(3):
+            step(jnp.float32(2 + i))  # fails from call 1
+        with pytest.raises(jaxshard.CheckError) as e:
+            jaxshard.flush_checks()
+        ((_, call, count),) = [(x.message, x.call, x.count) for x in e.value.failures]
+        assert (call, count) == (1, 2)
+        jaxshard.flush_checks()  # nothing left
+
+
+def test_deferred_block_does_not_mask_errors():
+    step = step_fn()
+    with pytest.raises(ZeroDivisionError):
+        with jaxshard.deferred_checks():
+            step(jnp.float32(9))
+            1 / 0
+    jaxshard.flush_checks.__doc__  # the failure stays for the next flush
+    with pytest.raises(jaxshard.CheckError):
+        jaxshard.flush_checks()
+
+
+def test_off_compiles_the_program_without_checks():
+    def f(x):
+        jaxshard.check(x > 0, "positive {x}", x=x)
+        jaxshard.check_finite({"x": x})
+        return x * 2
+
+    def plain(x):
+        return x * 2
+
+    def program(fn):
+        # The operations, without the debug tables of file and function names.
+        text = jax.jit(fn).lower(jnp.ones(4)).compile().as_text()
+        text = text[text.index("\n%") :]
+        return re.sub(r", metadata=\{[^}]*\}", "", text)
+
+    with jaxshard.config(checks="off"):
+        off = program(f)
+        jaxshard.checked(jax.jit(f))(-jnp.ones(4))  # no error
+    assert off == program(plain)
+    assert program(f) != off  # with checks on, the program differs
+
+
+def test_environment_variable():
+    script = (
+        "import jax.numpy as jnp, jaxshard\n"
+        "f = jaxshard.checked(lambda x: jaxshard.check(x > 0, 'bad'))\n"
+        "import jax\n"
+        "jax.jit(lambda x: x)  # noqa\n"
+        "print(jaxshard.config.__module__)\n"
+        "jaxshard.checked(jax.jit(lambda x: jaxshard.check(x > 0, 'bad')))(-1.0)\n"
+        "print('no error')\n"
+    )
+    env = dict(os.environ, JAXSHARD_CHECKS="off")
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "no error" in out.stdout, out.stderr
+    env["JAXSHARD_CHECKS"] = "loud"
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True
+    )
+    assert out.returncode != 0
+    assert "'raise', 'deferred', 'off'" in out.stderr
+
+
+# --- no checked wrapper -----------------------------------------------------------------
+
+
+def test_unowned_checks_raise_through_a_callback():
+    f = jax.jit(lambda x: (jaxshard.check(x > 0, "unowned {x}", x=x), x)[1])
+    f(jnp.ones(2))
+    with pytest.raises(Exception, match="unowned -1.0") as e:
+        jax.block_until_ready(f(jnp.array([1.0, -1.0])))
+    assert "no jaxshard.checked call" in str(e.value)
+
+
+# --- sharded data -------------------------------------------------------------------------
+
+
+def test_sharded_predicate_is_not_gathered(explicit_mesh):
+    def f(x):
+        jaxshard.check(x < 100, "big {x}", x=x)
+        return x
+
+    x = jax.device_put(
+        jnp.arange(64.0).reshape(8, 8), NamedSharding(explicit_mesh, P("dp", "tp"))
+    )
+    hlo = jax.jit(jaxshard.checked(f)).lower if False else None
+    del hlo
+    g = jaxshard.checked(jax.jit(f))
+    g(x)
+    compiled = jax.jit(f).lower(x).compile().as_text()
+    assert "all-gather" not in compiled
+    (found,) = failures(g, x * 10)
+    assert (
+        found.message == "big 100.0" and found.element == (1, 2) and found.count == 54
+    )
+
+
+def test_shard_map_combines_devices(explicit_mesh):
+    from jax import Array
+
+    from jaxshard import Float
+
+    def local(
+        x: Float[Array, "b d", P("dp", "tp")],
+    ) -> Float[Array, "b d", P("dp", "tp")]:
+        jaxshard.check(x < 50, "big {v}", v=x)
+        return x * 2
+
+    f = jaxshard.checked(jax.jit(jaxshard.shard_map(local, mesh=explicit_mesh)))
+    x = jax.device_put(
+        jnp.arange(64.0).reshape(8, 8), NamedSharding(explicit_mesh, P("dp", "tp"))
+    )
+    (found,) = failures(f, x)
+    # Blocks are 2x4: value 50 is row 6, column 2: device dp=3, tp=0, element [0, 2].
+    assert found.message == "big 50.0" and found.count == 14
+    assert found.device == {"dp": 3, "tp": 0} and found.element == (0, 2)
+    f(x - 64)
+
+
+def test_check_inside_raw_shard_map_falls_back(explicit_mesh):
+    def local(x):
+        jaxshard.check(x < 50, "raw {v}", v=x)
+        return x
+
+    f = jax.jit(
+        jax.shard_map(local, mesh=explicit_mesh, in_specs=P("dp"), out_specs=P("dp"))
+    )
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(explicit_mesh, P("dp")))
+    jax.block_until_ready(f(x))
+    with pytest.raises(Exception, match="raw"):
+        jax.block_until_ready(f(x + 50))
+
+
+# --- ready-made checks ------------------------------------------------------------------
+
+
+def test_check_finite_names_leaves(explicit_mesh):
+    @jaxshard.checked
+    @jax.jit
+    def f(tree):
+        jaxshard.check_finite(tree, name="grads")
+        return tree
+
+    tree = {
+        "w": jnp.ones((16, 8)).at[3, 5].set(jnp.nan).at[7, 0].set(jnp.inf),
+        "b": jnp.ones(8),
+        "steps": jnp.arange(3),
+        "layers": [jnp.ones(2), jnp.array([1.0, -jnp.inf])],
+    }
+    found = failures(f, tree)
+    assert [(x.message, x.count, x.element) for x in found] == [
+        ("grads['layers'][1] holds NaN or infinity (first: -inf)", 1, (1,)),
+        ("grads['w'] holds NaN or infinity (first: nan)", 2, (3, 5)),
+    ]
+    with jax.set_mesh(explicit_mesh):
+        # Replicated leaves are checked a slice per device; indices are unchanged.
+        found = failures(f, tree)
+    assert [x.element for x in found] == [(1,), (3, 5)]
+
+
+def test_check_range():
+    @jaxshard.checked
+    @jax.jit
+    def f(t):
+        jaxshard.check_range(t, 0, 9, name="token id")
+        jaxshard.check_range(t, hi=100)
+        return t
+
+    f(jnp.arange(10))
+    (found,) = failures(f, jnp.array([1, 12, -3]))
+    assert found.message == "token id 12 is outside [0, 9]" and found.count == 2
+    with pytest.raises(ValueError, match="give `lo`, `hi` or both"):
+        jaxshard.check_range(jnp.ones(2))
+
+
+# --- many checks --------------------------------------------------------------------------
+
+
+def test_a_thousand_checks():
+    @jaxshard.checked
+    @jax.jit
+    def f(x):
+        for i in range(1000):
+            jaxshard.check(x[i % 10] != i, "check {i}", i=jnp.int32(i))
+        return x
+
+    f(jnp.full(10, -1))
+    found = failures(f, jnp.arange(10) + 990)
+    assert [x.message for x in found] == [f"check {i}" for i in range(990, 1000)]
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="refers to 'x', which is not among"):
+        jaxshard.check(True, "x is {x}")
+    with pytest.raises(TypeError, match="must be boolean"):
+        jaxshard.check(jnp.ones(2), "not a predicate")
+    with pytest.raises(TypeError, match="must be boolean"):
+        jax.jit(lambda x: jaxshard.check(x, "not a predicate"))(jnp.ones(2))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        jax.jit(lambda x: jaxshard.check(x > 0, "{y}", y=jnp.ones(3)))(jnp.ones(2))
+    with pytest.raises(RuntimeError, match="called inside a trace"):
+        jax.jit(jaxshard.checked(lambda x: x))(1.0)
