@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,13 +52,15 @@ def test_known_at_trace_time():
         jaxshard.check(x.shape[0] == 3, "three rows")
         return x * 2
 
-    plain = jax.jit(lambda x: x * 2).lower(jnp.ones(3)).as_text()
-    checked = jax.jit(jaxshard.checked(f)).lower if False else None
-    del checked
+    def plain(x):
+        return x * 2
+
+    def program(fn):
+        text = jax.jit(fn).lower(jnp.ones(3)).as_text(debug_info=False)
+        return text.replace(f"jit_{fn.__name__}", "jit_fn")
+
     # True at trace time: nothing in the program.
-    assert jax.jit(f).lower(jnp.ones(3)).as_text() == plain.replace(
-        "jit__lambda", "jit_f"
-    )
+    assert program(f) == program(plain)
     with pytest.raises(jaxshard.CheckError, match="three rows"):
         jax.jit(f).lower(jnp.ones(4))
 
@@ -374,8 +378,6 @@ def test_sharded_predicate_is_not_gathered(explicit_mesh):
     x = jax.device_put(
         jnp.arange(64.0).reshape(8, 8), NamedSharding(explicit_mesh, P("dp", "tp"))
     )
-    hlo = jax.jit(jaxshard.checked(f)).lower if False else None
-    del hlo
     g = jaxshard.checked(jax.jit(f))
     g(x)
     compiled = jax.jit(f).lower(x).compile().as_text()
@@ -494,3 +496,61 @@ def test_bad_input():
         jax.jit(lambda x: jaxshard.check(x > 0, "{y}", y=jnp.ones(3)))(jnp.ones(2))
     with pytest.raises(RuntimeError, match="called inside a trace"):
         jax.jit(jaxshard.checked(lambda x: x))(1.0)
+
+
+# --- injected failures --------------------------------------------------------------------
+
+
+VOCAB, STEPS, BATCH = 16, 6, 8
+
+
+def make_train_step():
+    @jaxshard.checked
+    @jax.jit
+    def train_step(params, tokens, weights):
+        jaxshard.check_range(tokens, 0, VOCAB - 1, name="token id")
+        jaxshard.check(weights >= 0, "negative weight {w}", w=weights)
+
+        def loss_fn(params):
+            logits = jnp.take(params, tokens, axis=0, mode="clip")
+            return jnp.mean(jnp.abs(weights) * jnp.sum(logits**2, axis=-1))
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        jaxshard.check(jnp.isfinite(loss), "loss is {loss}", loss=loss)
+        jaxshard.check_finite(grads, name="grads")
+        return params - 0.01 * grads
+
+    return train_step
+
+
+TRAIN_STEP = make_train_step()
+
+
+@hypothesis.settings(max_examples=15, deadline=None)
+@hypothesis.given(
+    step=st.integers(0, STEPS - 1),
+    position=st.integers(0, BATCH - 1),
+    kind=st.sampled_from(["token", "weight"]),
+    bad=st.integers(1, 100),
+)
+def test_injected_failure_is_reported_exactly(step, position, kind, bad):
+    params = jnp.ones((VOCAB, 4)) * 0.1
+    rng = np.random.default_rng(step * 100 + position)
+    with pytest.raises(jaxshard.CheckError) as e:
+        with jaxshard.deferred_checks():
+            for i in range(STEPS):
+                tokens = rng.integers(0, VOCAB, BATCH)
+                weights = rng.random(BATCH)
+                if i == step and kind == "token":
+                    tokens[position] = VOCAB - 1 + bad
+                if i == step and kind == "weight":
+                    weights[position] = -bad
+                params = TRAIN_STEP(params, jnp.asarray(tokens), jnp.asarray(weights))
+    (found,) = e.value.failures
+    assert found.call == step and found.element == (position,) and found.count == 1
+    if kind == "token":
+        assert (
+            found.message == f"token id {VOCAB - 1 + bad} is outside [0, {VOCAB - 1}]"
+        )
+    else:
+        assert found.message == f"negative weight {-float(bad)}"
