@@ -122,7 +122,7 @@ class Failure:
         return f"{self.message} ({self.filename}:{self.lineno}){place}"
 
 
-# --- sites --------------------------------------------------------------------------
+# --- sites ----------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(eq=False)
@@ -198,13 +198,13 @@ def _check_message(message: Any, values: dict[str, Any]) -> None:
     if missing:
         raise ValueError(
             f"jaxshard.check: the message {message!r} refers to "
-            f"{', '.join(map(repr, missing))}, which {'is' if len(missing) == 1 else 'are'}"
-            " not among the values passed: pass them as keyword arguments, e.g. "
+            f"{', '.join(map(repr, missing))}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not among the values passed: pass them as keyword arguments, e.g. "
             f"check(pred, {message!r}, {missing[0]}=...)."
         )
 
 
-# --- the state on the device: one or two small Refs per site ------------------------------
+# --- the state on the device: one or two small Refs per site --------------------------
 #
 # Each check costs compile time for every operation it adds (about a millisecond each
 # on XLA's CPU compiler): the update below is a handful of vector operations on the
@@ -343,7 +343,7 @@ def _merge(refs, stats):
     return tuple(out)
 
 
-# --- scopes: who reads the flags --------------------------------------------------------
+# --- scopes: who reads the flags ------------------------------------------------------
 
 
 class Scope:
@@ -526,7 +526,7 @@ class deferred_checks:
         return False
 
 
-# --- check --------------------------------------------------------------------------
+# --- check ----------------------------------------------------------------------------
 
 
 def check(pred: Any, msg: str, /, **values: Any) -> None:
@@ -809,7 +809,6 @@ def _all_reduce(x, manual, op):
 
 
 def _combine_devices(count, first, picked, manual):
-    names = tuple(a for a, _ in manual)
     device = jnp.zeros((), jnp.int32)
     for a, n in manual:
         device = device * n + lax.axis_index(a)
@@ -841,7 +840,7 @@ def _reduce(count, element, batch, device, call, iteration, *values):
     )
 
 
-# --- checks no `checked` call owns ------------------------------------------------------
+# --- checks no `checked` call owns ----------------------------------------------------
 
 
 def _fallback(site: Site, stats) -> None:
@@ -869,7 +868,7 @@ def _raise_from_callback(site: Site, count, element, device, *values) -> None:
     raise CheckError([failure], when=" (in a host callback: no jaxshard.checked call)")
 
 
-# --- ready-made checks --------------------------------------------------------------
+# --- ready-made checks ----------------------------------------------------------------
 
 
 def check_finite(tree: Any, name: str | None = None) -> None:
