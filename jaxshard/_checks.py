@@ -199,7 +199,8 @@ def _check_message(message: Any, values: dict[str, Any]) -> None:
         raise ValueError(
             f"jaxshard.check: the message {message!r} refers to "
             f"{', '.join(map(repr, missing))}, which "
-            f"{'is' if len(missing) == 1 else 'are'} not among the values passed: pass them as keyword arguments, e.g. "
+            f"{'is' if len(missing) == 1 else 'are'} not among the values passed: pass "
+            "them as keyword arguments, e.g. "
             f"check(pred, {message!r}, {missing[0]}=...)."
         )
 

@@ -34,7 +34,7 @@ def failures(fn, *args):
     return e.value.failures
 
 
-# --- eager and trace-time ---------------------------------------------------------------
+# --- eager and trace-time -------------------------------------------------------------
 
 
 def test_eager_raises_at_once():
@@ -65,7 +65,7 @@ def test_known_at_trace_time():
         jax.jit(f).lower(jnp.ones(4))
 
 
-# --- checked: jit, nested jit, loops ------------------------------------------------------
+# --- checked: jit, nested jit, loops --------------------------------------------------
 
 
 def test_checked_jit_reports_every_failure_in_program_order():
@@ -190,7 +190,7 @@ def test_vmap_of_jit_and_scan_inside_vmap():
     assert found[1].iteration == 1
 
 
-# --- autodiff and remat -------------------------------------------------------------------
+# --- autodiff and remat ---------------------------------------------------------------
 
 
 def loss(w):
@@ -234,7 +234,7 @@ def test_remat_scan_grad():
     assert found.message == "activation nan" and found.iteration == 3
 
 
-# --- dead code ----------------------------------------------------------------------------
+# --- dead code ------------------------------------------------------------------------
 
 
 def test_checks_are_never_dead_code():
@@ -249,7 +249,7 @@ def test_checks_are_never_dead_code():
     assert found.message == "unused 2.0"
 
 
-# --- modes --------------------------------------------------------------------------------
+# --- modes ----------------------------------------------------------------------------
 
 
 def step_fn():
@@ -356,7 +356,7 @@ def test_environment_variable():
     assert "'raise', 'deferred', 'off'" in out.stderr
 
 
-# --- no checked wrapper -----------------------------------------------------------------
+# --- no checked wrapper ---------------------------------------------------------------
 
 
 def test_unowned_checks_raise_through_a_callback():
@@ -367,7 +367,7 @@ def test_unowned_checks_raise_through_a_callback():
     assert "no jaxshard.checked call" in str(e.value)
 
 
-# --- sharded data -------------------------------------------------------------------------
+# --- sharded data ---------------------------------------------------------------------
 
 
 def test_sharded_predicate_is_not_gathered(explicit_mesh):
@@ -424,7 +424,7 @@ def test_check_inside_raw_shard_map_falls_back(explicit_mesh):
         jax.block_until_ready(f(x + 50))
 
 
-# --- ready-made checks ------------------------------------------------------------------
+# --- ready-made checks ----------------------------------------------------------------
 
 
 def test_check_finite_names_leaves(explicit_mesh):
@@ -466,7 +466,7 @@ def test_check_range():
         jaxshard.check_range(jnp.ones(2))
 
 
-# --- many checks --------------------------------------------------------------------------
+# --- many checks ----------------------------------------------------------------------
 
 
 def test_a_thousand_checks():
@@ -482,7 +482,7 @@ def test_a_thousand_checks():
     assert [x.message for x in found] == [f"check {i}" for i in range(990, 1000)]
 
 
-# --- bad input ----------------------------------------------------------------------------
+# --- bad input ------------------------------------------------------------------------
 
 
 def test_bad_input():
@@ -498,7 +498,7 @@ def test_bad_input():
         jax.jit(jaxshard.checked(lambda x: x))(1.0)
 
 
-# --- injected failures --------------------------------------------------------------------
+# --- injected failures ----------------------------------------------------------------
 
 
 VOCAB, STEPS, BATCH = 16, 6, 8
