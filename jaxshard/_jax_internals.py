@@ -236,6 +236,16 @@ def _accumulate_discharge(in_avals, out_avals, *args, n_refs, merge, reduce):
 def _accumulate_batch(axis_data, args, dims, *, n_refs, merge, reduce):
     refs, stats = args[:n_refs], args[n_refs:]
     assert all(d is None for d in dims[:n_refs]), "the state lives outside vmap"
+    stat_dims = dims[n_refs:]
+    if stat_dims[0] is None:
+        # The first statistic (what decides the outcome) is the same for the whole
+        # batch (say, vmap over jvp's tangents): one evaluation, not `size` of them.
+        stats = [
+            s if d is None else jax.numpy.take(s, 0, axis=d)
+            for s, d in zip(stats, stat_dims)
+        ]
+        accumulate(refs, tuple(stats), merge, reduce)
+        return [], []
     size = axis_data.size
     stats = [
         jax.numpy.broadcast_to(s, (size, *jax.numpy.shape(s)))
@@ -276,7 +286,8 @@ def accumulate(refs: tuple, stats: tuple, merge: Callable, reduce: Callable) -> 
     trace.
 
     Under `vmap`, `reduce(*stats)` first turns stats with a leading batch dimension
-    into unbatched ones. Under autodiff only the primal values are used. `merge` and
+    into unbatched ones; if the first statistic is not batched, the evaluation counts
+    once. Under autodiff only the primal values are used. `merge` and
     `reduce` must be hashable and the same objects each time (they are primitive
     parameters, part of JAX's caches).
     """

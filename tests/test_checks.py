@@ -215,6 +215,8 @@ def test_autodiff_checks_primal_values(transform):
     f(jnp.ones(3))
     (found,) = failures(f, jnp.array([1.0, jnp.inf, 2.0]))
     assert found.message == "weight inf" and found.element == (1,)
+    # Counted once: not again for each tangent, cotangent or recomputation.
+    assert found.count == 1
 
 
 def test_remat_scan_grad():
