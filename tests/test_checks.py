@@ -424,6 +424,9 @@ def test_check_inside_raw_shard_map_falls_back(explicit_mesh):
     jax.block_until_ready(f(x))
     with pytest.raises(Exception, match="raw"):
         jax.block_until_ready(f(x + 50))
+    # JAX keeps a callback's error in its runtime token until the next barrier.
+    with pytest.raises(Exception, match="raw"):
+        jax.effects_barrier()
 
 
 # --- ready-made checks ----------------------------------------------------------------
