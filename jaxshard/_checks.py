@@ -318,30 +318,41 @@ def _decode_traced(dtypes, ints, floats) -> list:
 
 
 def _merge(refs, stats):
-    """Merges one evaluation's statistics into a site's state."""
+    """Merges one evaluation's statistics into a site's state.
+
+    Written as elementwise selects over the state vector, so that XLA fuses the
+    whole update into one kernel: on the CPU each kernel costs milliseconds of
+    compile time, and a program may hold a thousand checks."""
     flag, ints, *floats = refs
     count, element, batch, device, call, iteration, *values = stats
-    old = ints[:STATE_SIZE]
     fails = count > 0
-    first = (old[COUNT] == 0) & fails
-    evals = lax.select(old[LAST_CALL] == call, old[EVALS], jnp.int32(0))
+    first = (ints[COUNT] == 0) & fails
+    evals = lax.select(ints[LAST_CALL] == call, ints[EVALS], jnp.int32(0))
     iteration = lax.select(iteration >= 0, iteration, evals)
     new_ints, new_floats = _encode(values)
-    fields = [old[COUNT] + count, evals + 1, call, call, iteration, element, device]
-    new = jnp.concatenate([jnp.stack(fields), batch, *(v[None] for v in new_ints)])
-    always = lax.broadcasted_iota(jnp.int32, new.shape, 0) <= LAST_CALL
-    new = lax.select(always | first, new, ints)
+    first_failure = [call, iteration, element, device, *batch, *new_ints]
+    index = lax.broadcasted_iota(jnp.int32, ints.shape, 0)
+    new = lax.select(first, _assemble(index, CALL, first_failure, ints), ints)
+    new = _put(index, COUNT, ints[COUNT] + count, new)
+    new = _put(index, EVALS, evals + 1, new)
+    new = _put(index, LAST_CALL, call, new)
     out = [flag | fails, new]
     if floats:
-        (old_floats,) = floats
-        out.append(
-            lax.select(
-                jnp.broadcast_to(first, old_floats.shape),
-                jnp.stack(new_floats),
-                old_floats,
-            )
-        )
+        (old,) = floats
+        index = lax.broadcasted_iota(jnp.int32, old.shape, 0)
+        out.append(lax.select(first, _assemble(index, 0, new_floats, old), old))
     return tuple(out)
+
+
+def _put(index, i: int, value, vector):
+    return lax.select(index == i, jnp.broadcast_to(value, vector.shape), vector)
+
+
+def _assemble(index, start: int, scalars: list, vector):
+    """`vector` with `scalars` from position `start` on, by elementwise selects."""
+    for i, value in enumerate(scalars):
+        vector = _put(index, start + i, value.astype(vector.dtype), vector)
+    return vector
 
 
 # --- scopes: who reads the flags ------------------------------------------------------
