@@ -406,9 +406,9 @@ class Scope:
         """The failures recorded so far, in program order; clears them."""
         raised = []
         for placement, (flag, _) in self._refs.items():
-            with _on(placement):
-                if bool(flag[...]):
-                    raised.append(placement)
+            if bool(ref_contents(flag)):  # the call's one wait for the device
+                raised.append(placement)
+                with _on(placement):
                     flag[...] = jnp.zeros((), bool)
         failures = []
         for site in self.sites if raised else ():
