@@ -11,6 +11,7 @@ call; in "deferred" mode nothing is read until `flush_checks()`. See
 import contextlib
 import dataclasses
 import functools as ft
+import math
 import os
 import string
 import sys
@@ -263,15 +264,19 @@ def _encode(values: list) -> tuple[list, list]:
     """Values as int32 and float32 scalars."""
     ints, floats = [], []
     for v in values:
+        v = jnp.asarray(v)
         kind = _kind(v.dtype)
         if kind == "c":
-            floats += [jnp.real(v).astype(jnp.float32), jnp.imag(v).astype(jnp.float32)]
+            floats += [
+                lax.convert_element_type(jnp.real(v), jnp.float32),
+                lax.convert_element_type(jnp.imag(v), jnp.float32),
+            ]
         elif kind == "f":
-            floats.append(v.astype(jnp.float32))
+            floats.append(lax.convert_element_type(v, jnp.float32))
         elif v.dtype == jnp.uint32:
             ints.append(lax.bitcast_convert_type(v, jnp.int32))
         else:
-            ints.append(v.astype(jnp.int32))
+            ints.append(lax.convert_element_type(v, jnp.int32))
     return ints, floats
 
 
@@ -351,7 +356,7 @@ def _put(index, i: int, value, vector):
 def _assemble(index, start: int, scalars: list, vector):
     """`vector` with `scalars` from position `start` on, by elementwise selects."""
     for i, value in enumerate(scalars):
-        vector = _put(index, start + i, value.astype(vector.dtype), vector)
+        vector = _put(index, start + i, jnp.asarray(value, vector.dtype), vector)
     return vector
 
 
@@ -568,14 +573,26 @@ def check(pred: Any, msg: str, /, **values: Any) -> None:
     _check(pred, msg, values)
 
 
-def _check(pred: Any, msg: str, values: dict[str, Any], shape=None) -> None:
-    """`check`; `shape` is that of the array the predicate was computed from, when
-    the predicate is a reshaped view of it (for the failing element's index)."""
+def _check(
+    pred: Any,
+    msg: str,
+    values: dict[str, Any],
+    shape=None,
+    pred_fn: Callable | None = None,
+    operands: tuple = (),
+) -> None:
+    """`check`. `shape` is that of the array the predicate was computed from, when
+    the predicate is a reshaped view of it (for the failing element's index). With
+    `pred_fn`, `pred` is `pred_fn(*operands)`, which can be computed again where
+    that is cheaper than keeping `pred`."""
     settings = _config.current()
     if settings.checks == "off":
         return
     _check_message(msg, values)
     filename, lineno = _caller()
+    if pred_fn is not None:
+        # Unused below when traced (so removed as dead code): for shape and layout.
+        pred = pred_fn(*operands)
     if not isinstance(pred, jax.core.Tracer):
         _check_now(pred, msg, values, filename, lineno)
         return
@@ -584,9 +601,11 @@ def _check(pred: Any, msg: str, values: dict[str, Any], shape=None) -> None:
             f"jaxshard.check: the predicate must be boolean; got {pred.dtype}. Write "
             "a comparison, e.g. `x > 0`."
         )
-    values = {k: _broadcast(k, v, pred.shape) for k, v in values.items()}
+    values = {k: _broadcast(k, v, pred) for k, v in values.items()}
     scope = settings.check_scope
-    stats, axes = _statistics(pred, values)
+    if pred_fn is None:
+        pred_fn, operands = _identity, (pred,)
+    stats, axes = _statistics(pred_fn, operands, values, tuple(pred.shape))
     site = Site(
         message=msg,
         filename=filename,
@@ -723,54 +742,71 @@ def _check_now(pred, msg, values, filename, lineno) -> None:
     )
 
 
-def _broadcast(name: str, value: Any, shape: tuple[int, ...]) -> Any:
+def _identity(x):
+    return x
+
+
+def _broadcast(name: str, value: Any, pred) -> Any:
+    """`value` as a scalar, or as an array of `pred`'s shape laid out as `pred` is."""
     value = jnp.asarray(value)
+    if not value.shape:
+        return value
     try:
-        return jnp.broadcast_to(value, shape) if value.shape != shape else value
+        value = jnp.broadcast_to(value, pred.shape)
     except ValueError:
         raise ValueError(
             f"jaxshard.check: value {name!r} has shape {value.shape}, which does not "
-            f"broadcast to the predicate's shape {shape}."
+            f"broadcast to the predicate's shape {pred.shape}."
         ) from None
+    sharding = jax.typeof(pred).sharding
+    if not sharding.mesh.empty and AxisType.Explicit in sharding.mesh.axis_types:
+        if jax.typeof(value).sharding.spec != sharding.spec:
+            value = jax.sharding.reshard(value, sharding)
+    return value
 
 
-def _statistics(pred, values: dict[str, Any]):
-    """(count, first element, device, *values at it) of one evaluation; inside
-    `shard_map`, combined over the manual mesh axes so every device agrees."""
-    fail = jnp.logical_not(pred)
-    shape = pred.shape
-    manual = _manual_axes(pred)
+def _statistics(pred_fn, operands: tuple, values: dict[str, Any], shape):
+    """(count, first element, device, *values at it) of one evaluation, where the
+    predicate is `pred_fn(*operands)` (of `shape`); inside `shard_map`, combined over
+    the manual mesh axes so every device agrees.
 
-    def details(fail, *values):
+    For a large predicate the passing case costs one fused reduction, as for
+    `jnp.all(pred)`: the rest (the first failing element and the values there) is
+    computed only when something failed, in a `lax.cond` whose operands are the
+    predicate's inputs rather than a materialised boolean array."""
+    manual = _manual_axes(operands[0])
+    values = list(values.values())
+
+    def details(operands, values):
+        fail = jnp.logical_not(pred_fn(*operands))
         if not shape:
             count = fail.astype(jnp.int32)
             return (count, count - 1, *values)
-        flat = _flat_index(shape)
-        big = jnp.full(shape, _BIG, jnp.int32)
-        first = jnp.min(lax.select(fail, flat, big))
+        flat = _flat_index(fail)
+        first = jnp.min(lax.select(fail, flat, jnp.full_like(flat, _BIG)))
         at = flat == first
-        picked = [jnp.sum(lax.select(at, v, jnp.zeros(shape, v.dtype))) for v in values]
+        picked = [
+            v if not v.shape else jnp.sum(lax.select(at, v, jnp.zeros_like(v)))
+            for v in values
+        ]
         return (jnp.sum(fail, dtype=jnp.int32), first, *picked)
 
-    def passing(fail, *values):
+    def passing(operands, values):
         # Inside shard_map the outputs vary over the same mesh axes as the inputs.
-        zero = _varying_like(fail, jnp.zeros((), jnp.int32))
+        zero = _varying_like(operands[0], jnp.zeros((), jnp.int32))
         return (
             zero,
             zero - 1,
             *(_varying_like(v, jnp.zeros((), v.dtype)) for v in values),
         )
 
-    if pred.size < _LARGE:
-        count, first, *picked = details(fail, *values.values())
+    if math.prod(shape) < _LARGE:
+        count, first, *picked = details(operands, values)
     else:
-        # The details cost a few passes over the data: only when something failed.
-        any_fail = jnp.any(fail)
+        any_fail = jnp.logical_not(jnp.all(pred_fn(*operands)))
         if manual:
             any_fail = _all_reduce(any_fail, manual, lax.pmax)
-        count, first, *picked = lax.cond(
-            any_fail, details, passing, fail, *values.values()
-        )
+        count, first, *picked = lax.cond(any_fail, details, passing, operands, values)
     device = jnp.full((), -1, jnp.int32)
     if manual:
         count, first, device, picked = _combine_devices(count, first, picked, manual)
@@ -789,13 +825,17 @@ def _varying(x) -> set[str]:
     return set(getattr(manual_type, "varying", ()))
 
 
-def _flat_index(shape: tuple[int, ...]):
-    if not shape:
-        return jnp.zeros((), jnp.int32)
-    flat = jnp.zeros(shape, jnp.int32)
+def _flat_index(like):
+    """The row-major index of each element of `like`, laid out as `like` is."""
+    shape = like.shape
+    sharding = jax.typeof(like).sharding
+    explicit = not sharding.mesh.empty and AxisType.Explicit in sharding.mesh.axis_types
+    kwargs = {"out_sharding": sharding} if explicit else {}
+    flat = None
     stride = 1
     for d in reversed(range(len(shape))):
-        flat = flat + lax.broadcasted_iota(jnp.int32, shape, d) * stride
+        term = lax.broadcasted_iota(jnp.int32, shape, d, **kwargs) * stride
+        flat = term if flat is None else flat + term
         stride *= shape[d]
     return flat
 
@@ -912,10 +952,12 @@ def check_finite(tree: Any, name: str | None = None) -> None:
         where = name + jax.tree_util.keystr(path)
         x = _spread(leaf)
         _check(
-            jnp.isfinite(x),
+            None,
             f"{where} holds NaN or infinity (first: {{value}})",
             {"value": x},
             shape=jnp.shape(leaf),
+            pred_fn=jnp.isfinite,
+            operands=(x,),
         )
 
 
@@ -940,11 +982,15 @@ def check_range(
         raise ValueError("jaxshard.check_range: give `lo`, `hi` or both.")
     name = "value" if name is None else name
     x = jnp.asarray(x)
-    ok = jnp.ones(x.shape, bool)
-    if lo is not None:
-        ok = ok & (x >= lo)
-    if hi is not None:
-        ok = ok & (x <= hi)
+
+    def within(x):
+        ok = jnp.ones(x.shape, bool)
+        if lo is not None:
+            ok = ok & (x >= lo)
+        if hi is not None:
+            ok = ok & (x <= hi)
+        return ok
+
     lo_text = "-inf" if lo is None else "{lo}"
     hi_text = "inf" if hi is None else "{hi}"
     bounds = {}
@@ -952,7 +998,13 @@ def check_range(
         bounds["lo"] = lo
     if hi is not None:
         bounds["hi"] = hi
-    _check(ok, f"{name} {{x}} is outside [{lo_text}, {hi_text}]", {"x": x, **bounds})
+    _check(
+        None,
+        f"{name} {{x}} is outside [{lo_text}, {hi_text}]",
+        {"x": x, **bounds},
+        pred_fn=within,
+        operands=(x,),
+    )
 
 
 def _spread(x: Any) -> Any:
@@ -971,4 +1023,5 @@ def _spread(x: Any) -> Any:
     ):
         return x
     flat = x.reshape(mesh.size, -1)
-    return jax.sharding.reshard(flat, PartitionSpec(tuple(mesh.axis_names)))
+    spec = PartitionSpec(tuple(mesh.axis_names))
+    return jax.sharding.reshard(flat, NamedSharding(mesh, spec))

@@ -1,5 +1,6 @@
 """Value contracts: `check`, `checked`, the modes, and every transformation."""
 
+import contextlib
 import os
 import re
 import subprocess
@@ -559,3 +560,31 @@ def test_injected_failure_is_reported_exactly(step, position, kind, bad):
         )
     else:
         assert found.message == f"negative weight {-float(bad)}"
+
+
+# --- Explicit meshes ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("in_context", [True, False])
+def test_explicit_mesh(explicit_mesh, in_context):
+    @jaxshard.checked
+    @jax.jit
+    def f(x, tree):
+        jaxshard.check(x >= 0, "x is {x}", x=x, limit=jnp.float32(0))
+        jaxshard.check_finite(tree, name="params")
+        return x
+
+    x = jax.device_put(jnp.arange(64.0), NamedSharding(explicit_mesh, P("dp")))
+    r = np.ones((64, 64), np.float32)
+    bad = r.copy()
+    bad[5, 7] = np.nan
+    put = lambda a, spec: jax.device_put(a, NamedSharding(explicit_mesh, spec))  # noqa
+    context = jax.set_mesh(explicit_mesh) if in_context else contextlib.nullcontext()
+    with context:
+        f(x, {"r": put(r, P()), "s": put(r, P("dp"))})
+        found = failures(f, x - 3, {"r": put(bad, P()), "s": put(bad, P(None, "tp"))})
+    assert [(x.message, x.count, x.element) for x in found] == [
+        ("x is -3.0", 3, (0,)),
+        ("params['r'] holds NaN or infinity (first: nan)", 1, (5, 7)),
+        ("params['s'] holds NaN or infinity (first: nan)", 1, (5, 7)),
+    ]
