@@ -562,7 +562,7 @@ def test_injected_failure_is_reported_exactly(step, position, kind, bad):
         assert found.message == f"negative weight {-float(bad)}"
 
 
-# --- Explicit meshes ----------------------------------------------------------------------
+# --- Explicit meshes -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("in_context", [True, False])
