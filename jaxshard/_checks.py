@@ -35,6 +35,7 @@ from ._jax_internals import (
     new_ref_in,
     new_ref_outside_traces,
     ref_contents,
+    set_ref_contents,
 )
 
 
@@ -374,6 +375,7 @@ class Scope:
         self.placement: Any = None  # where this call's programs run
         self._refs: dict[Any, tuple[Any, Any]] = {}
         self._generation = -1
+        self._call = -1
         self._lock = threading.Lock()
 
     def refs(self) -> tuple[Any, Any]:
@@ -388,13 +390,13 @@ class Scope:
     def begin_call(self, args: tuple, kwargs: dict) -> None:
         self.placement = _placement(args, kwargs)
         _, calls = self.refs()
-        with _on(self.placement):
-            if self._generation != _generation[0]:
-                self._generation = _generation[0]
-                for placement, (_, old) in self._refs.items():
-                    with _on(placement):
-                        old[...] = jnp.full((), -1, jnp.int32)
-            calls[...] = calls[...] + 1
+        if self._generation != _generation[0]:
+            self._generation = _generation[0]
+            self._call = -1
+        self._call += 1
+        # The call index goes to the device as a transfer, not as an operation: a
+        # `checked` call then costs one host-to-device copy before the program.
+        set_ref_contents(calls, jax.device_put(np.int32(self._call), self.placement))
 
     def add(self, site: Site) -> None:
         """Gives `site` its state, placed where this call's programs run."""

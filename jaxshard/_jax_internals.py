@@ -332,3 +332,9 @@ def ref_contents(ref) -> Any:
     """The array a `jax.Ref` holds, without running an operation (reading with
     `ref[...]` costs a dispatch per Ref, which adds up over a thousand checks)."""
     return ref._refs._buf
+
+
+def set_ref_contents(ref, value) -> None:
+    """Replaces the array a `jax.Ref` holds with `value` (of the same type and
+    placement), without running an operation."""
+    ref._refs._buf = value

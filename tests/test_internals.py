@@ -7,6 +7,7 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import put
 from jax.sharding import PartitionSpec as P
@@ -157,3 +158,14 @@ def test_compile_event_is_reported_on_the_compiling_thread(event, auto_mesh):
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert seen == [threading.get_ident()]
+
+
+def test_ref_contents():
+    from jaxshard._jax_internals import ref_contents, set_ref_contents
+
+    ref = jax.new_ref(jnp.zeros(3))
+    assert isinstance(ref_contents(ref), jax.Array)
+    set_ref_contents(ref, jnp.arange(3.0))
+    np.testing.assert_array_equal(ref[...], [0.0, 1.0, 2.0])
+    ref[...] = jnp.ones(3)
+    np.testing.assert_array_equal(ref_contents(ref), [1.0, 1.0, 1.0])
