@@ -18,6 +18,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from functools import reduce as functools_reduce
 from typing import Any
 
 import jax
@@ -587,44 +588,56 @@ def _check(
     the predicate is a reshaped view of it (for the failing element's index). With
     `pred_fn`, `pred` is `pred_fn(*operands)`, which can be computed again where
     that is cheaper than keeping `pred`."""
+    _check_many([(pred, msg, values, shape, pred_fn, operands)], *_caller())
+
+
+def _check_many(entries: list[tuple], filename: str, lineno: int) -> None:
+    """Several checks made at one place (`check_finite`'s leaves): their details
+    share one `lax.cond`, so that passing costs one branch for all of them."""
     settings = _config.current()
     if settings.checks == "off":
         return
-    _check_message(msg, values)
-    filename, lineno = _caller()
-    if pred_fn is not None:
-        # Unused below when traced (so removed as dead code): for shape and layout.
-        pred = pred_fn(*operands)
-    if not isinstance(pred, jax.core.Tracer):
-        _check_now(pred, msg, values, filename, lineno)
-        return
-    if not jnp.issubdtype(pred.dtype, jnp.bool_):
-        raise TypeError(
-            f"jaxshard.check: the predicate must be boolean; got {pred.dtype}. Write "
-            "a comparison, e.g. `x > 0`."
+    traced = []
+    for pred, msg, values, shape, pred_fn, operands in entries:
+        _check_message(msg, values)
+        if pred_fn is not None:
+            # Unused below when traced (so removed as dead code): for shape and layout.
+            pred = pred_fn(*operands)
+        if not isinstance(pred, jax.core.Tracer):
+            _check_now(pred, msg, values, filename, lineno)
+            continue
+        if not jnp.issubdtype(pred.dtype, jnp.bool_):
+            raise TypeError(
+                f"jaxshard.check: the predicate must be boolean; got {pred.dtype}. "
+                "Write a comparison, e.g. `x > 0`."
+            )
+        values = {k: _broadcast(k, v, pred) for k, v in values.items()}
+        if pred_fn is None:
+            pred_fn, operands = _identity, (pred,)
+        site = Site(
+            message=msg,
+            filename=filename,
+            lineno=lineno,
+            names=tuple(values),
+            shape=tuple(pred.shape if shape is None else shape),
+            device_axes=(),
+            order=0,
+            dtypes=tuple(v.dtype for v in values.values()),
         )
-    values = {k: _broadcast(k, v, pred) for k, v in values.items()}
+        traced.append((site, (pred_fn, operands, list(values.values()), pred.shape)))
+    if not traced:
+        return
+    all_stats = _statistics([item for _, item in traced])
     scope = settings.check_scope
-    if pred_fn is None:
-        pred_fn, operands = _identity, (pred,)
-    stats, axes = _statistics(pred_fn, operands, values, tuple(pred.shape))
-    site = Site(
-        message=msg,
-        filename=filename,
-        lineno=lineno,
-        names=tuple(values),
-        shape=tuple(pred.shape if shape is None else shape),
-        device_axes=axes,
-        order=0,
-        dtypes=tuple(v.dtype for v in values.values()),
-    )
     frame = _frames.stack[-1] if _frames.stack else None
-    if frame is not None and axes:
-        frame.add(site, stats)
-    elif scope is None:
-        _fallback(site, stats)
-    else:
-        _record(scope, site, (*stats[:3], -1, *stats[3:]))
+    for (site, _), (stats, axes) in zip(traced, all_stats):
+        site.device_axes = axes
+        if frame is not None and axes:
+            frame.add(site, stats)
+        elif scope is None:
+            _fallback(site, stats)
+        else:
+            _record(scope, site, (*stats[:3], -1, *stats[3:]))
 
 
 def _record(scope: Scope, site: Site, stats: tuple) -> None:
@@ -767,53 +780,73 @@ def _broadcast(name: str, value: Any, pred) -> Any:
     return value
 
 
-def _statistics(pred_fn, operands: tuple, values: dict[str, Any], shape):
-    """(count, first element, device, *values at it) of one evaluation, where the
-    predicate is `pred_fn(*operands)` (of `shape`); inside `shard_map`, combined over
-    the manual mesh axes so every device agrees.
+def _statistics(items: list[tuple]) -> list[tuple]:
+    """For each `(pred_fn, operands, values, shape)`: `((count, first element,
+    device, *values at it), manual axes)` of one evaluation of the predicate
+    `pred_fn(*operands)`; inside `shard_map`, combined over the manual mesh axes so
+    every device agrees.
 
-    For a large predicate the passing case costs one fused reduction, as for
+    For large predicates the passing case costs one fused reduction each, as for
     `jnp.all(pred)`: the rest (the first failing element and the values there) is
-    computed only when something failed, in a `lax.cond` whose operands are the
-    predicate's inputs rather than a materialised boolean array."""
-    manual = _manual_axes(operands[0])
-    values = list(values.values())
-
-    def details(operands, values):
-        fail = jnp.logical_not(pred_fn(*operands))
-        if not shape:
-            count = fail.astype(jnp.int32)
-            return (count, count - 1, *values)
-        flat = _flat_index(fail)
-        first = jnp.min(lax.select(fail, flat, jnp.full_like(flat, _BIG)))
-        at = flat == first
-        picked = [
-            v if not v.shape else jnp.sum(lax.select(at, v, jnp.zeros_like(v)))
-            for v in values
-        ]
-        return (jnp.sum(fail, dtype=jnp.int32), first, *picked)
-
-    def passing(operands, values):
-        # Inside shard_map the outputs vary over the same mesh axes as the inputs.
-        zero = _varying_like(operands[0], jnp.zeros((), jnp.int32))
-        return (
-            zero,
-            zero - 1,
-            *(_varying_like(v, jnp.zeros((), v.dtype)) for v in values),
+    computed only when something failed, in one `lax.cond` for all of them, whose
+    operands are the predicates' inputs rather than materialised boolean arrays."""
+    manual = _manual_axes(items[0][1][0])
+    large = [i for i, item in enumerate(items) if math.prod(item[3]) >= _LARGE]
+    out: list[Any] = [None] * len(items)
+    for i, item in enumerate(items):
+        if i not in large:
+            out[i] = _details(*item)
+    if large:
+        any_fail = functools_reduce(
+            jnp.logical_or,
+            [jnp.logical_not(jnp.all(items[i][0](*items[i][1]))) for i in large],
         )
-
-    if math.prod(shape) < _LARGE:
-        count, first, *picked = details(operands, values)
-    else:
-        any_fail = jnp.logical_not(jnp.all(pred_fn(*operands)))
         if manual:
             any_fail = _all_reduce(any_fail, manual, lax.pmax)
-        count, first, *picked = lax.cond(any_fail, details, passing, operands, values)
-    device = jnp.full((), -1, jnp.int32)
-    if manual:
-        count, first, device, picked = _combine_devices(count, first, picked, manual)
-    axes = tuple((a, n) for a, n in manual)
-    return (count, first, device, *picked), axes
+        group = [items[i] for i in large]
+        inputs = [(item[1], item[2]) for item in group]
+
+        def details(inputs):
+            return [
+                _details(f, ops, vals, shape)
+                for (f, _, _, shape), (ops, vals) in zip(group, inputs)
+            ]
+
+        def passing(inputs):
+            return [_passing(ops, vals) for ops, vals in inputs]
+
+        for i, stats in zip(large, lax.cond(any_fail, details, passing, inputs)):
+            out[i] = stats
+    result = []
+    for count, first, *picked in out:
+        device = jnp.full((), -1, jnp.int32)
+        if manual:
+            count, first, device, picked = _combine_devices(
+                count, first, picked, manual
+            )
+        result.append(((count, first, device, *picked), tuple(manual)))
+    return result
+
+
+def _details(pred_fn, operands, values, shape):
+    fail = jnp.logical_not(pred_fn(*operands))
+    if not shape:
+        count = fail.astype(jnp.int32)
+        return (count, count - 1, *values)
+    flat = _flat_index(fail)
+    first = jnp.min(lax.select(fail, flat, jnp.full_like(flat, _BIG)))
+    at = flat == first
+    picked = [
+        v if not v.shape else jnp.sum(lax.select(at, v, jnp.zeros_like(v)))
+        for v in values
+    ]
+    return (jnp.sum(fail, dtype=jnp.int32), first, *picked)
+
+
+def _passing(operands, values):
+    # Inside shard_map the outputs vary over the same mesh axes as the inputs.
+    zero = _varying_like(operands[0], jnp.zeros((), jnp.int32))
+    return (zero, zero - 1, *(_varying_like(v, jnp.zeros((), v.dtype)) for v in values))
 
 
 def _varying_like(source, x):
@@ -948,19 +981,17 @@ def check_finite(tree: Any, name: str | None = None) -> None:
         ```
     """
     name = "tree" if name is None else name
+    entries = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
             continue
         where = name + jax.tree_util.keystr(path)
         x = _spread(leaf)
-        _check(
-            None,
-            f"{where} holds NaN or infinity (first: {{value}})",
-            {"value": x},
-            shape=jnp.shape(leaf),
-            pred_fn=jnp.isfinite,
-            operands=(x,),
+        message = f"{where} holds NaN or infinity (first: {{value}})"
+        entries.append(
+            (None, message, {"value": x}, jnp.shape(leaf), jnp.isfinite, (x,))
         )
+    _check_many(entries, *_caller())
 
 
 def check_range(
