@@ -43,6 +43,7 @@ def bench(session):
     session.install("-e", ".[test,tpu]", *JAX)
     session.run("python", "benchmarks/bench_core.py", *session.posargs)
     session.run("python", "benchmarks/bench_verify.py", *session.posargs)
+    session.run("python", "benchmarks/bench_checks.py", *session.posargs)
 
 
 @nox.session

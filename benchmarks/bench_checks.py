@@ -1,0 +1,417 @@
+"""What do value checks cost in a training loop? Each ratio is measured side by side.
+
+(a) A data-parallel training loop: an MLP (3 hidden layers of 512, 10 classes), batch
+    256 sharded over 8 simulated CPU devices (mesh axis "dp"), parameters replicated,
+    a jitted SGD step, N steps per run. Three checks per step: the loss is finite, the
+    gradients are finite, the labels are in range. Variants, each a full loop over the
+    same data from the same parameters:
+
+    - unchecked: the step with no checks, the baseline;
+    - jaxshard deferred: `jaxshard.checked(jax.jit(step))` inside
+        `jaxshard.deferred_checks()` (nothing read until the block ends);
+    - jaxshard raise: the same function in the default mode (one flag read per step);
+    - jaxshard off: the same function under `jaxshard.config(checks="off")`;
+    - flag vector: the floor. The step computes the same three predicates by hand,
+        ANDs them into a bool[3] it carries from step to step, read once at the end;
+    - checkify: `jax.experimental.checkify` user checks, `err.throw()` every step;
+    - equinox.error_if: the same predicates through `eqx.error_if` (EQX_ON_ERROR=raise;
+        no failure is injected: on the mesh a failing callback kills the process).
+
+    Every variant is compiled and run for two steps before timing (a change of
+    jaxshard mode traces the function anew). N is 100 (20 with `--quick`). Rounds
+    alternate the order of the variants (forward, backward, ...) so that drift on a
+    busy machine hits each alike; the table shows the median time per step and the
+    median over rounds of the ratio within a round.
+
+(b) `jaxshard.check_finite` alone, on a replicated tree (the MLP's parameters) and on a
+    dp-sharded one of the same shapes, against the naive `jnp.all(jnp.isfinite(x))`
+    per leaf, combined. Each is a `jaxshard.checked` jitted function called in
+    deferred mode, so both pay the same wrapper and the ratio is that of the
+    predicates. On an Explicit mesh (where jaxshard spreads replicated leaves over the
+    devices) and on an Auto one.
+(c) The `checked` wrapper alone: a jitted `x + 1` on the mesh, with and without
+    `jaxshard.checked`, in deferred mode.
+
+jaxshard's checks run on an Explicit mesh if they can; otherwise (a) and (c) run on an
+Auto mesh, and the output says why.
+
+On a 2-core machine the 8 simulated devices share XLA's CPU thread pools, which are as
+large as the number of cores: devices waiting in an all-reduce hold threads that the
+other devices' work needs, and XLA aborts the process after 40 s. `PJRT_NPROC=32`,
+read by XLA's CPU client when it starts, makes the pools larger, so no loop here waits
+for its steps (blocking every few steps would also avoid the deadlock, but would
+measure something else). `equinox.error_if` on the dp-sharded labels makes XLA warn of
+an "Involuntary full rematerialization": the callback's branch lives on device 0.
+
+Run: `python benchmarks/bench_checks.py` (or `nox -s bench`); `--quick` for a smoke
+test.
+"""
+
+import functools as ft
+import gc
+import os
+import sys
+import time
+from statistics import median
+
+
+# Before jax is imported: 8 simulated CPU devices, and a CPU thread pool larger than
+# the 8 devices' blocking collectives (see above).
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("PJRT_NPROC", "32")
+os.environ.setdefault("EQX_ON_ERROR", "raise")
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import checkify  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxshard  # noqa: E402
+
+
+BATCH, D, HIDDEN, LAYERS, CLASSES = 256, 512, 512, 3, 10
+BATCHES = 4  # distinct batches, cycled through
+LR = 0.01
+QUICK = "--quick" in sys.argv[1:]  # a smoke test of the script, not a measurement
+# Even numbers of rounds: each order (forward, backward) runs as often.
+STEPS = 20 if QUICK else 100
+ROUNDS = {
+    "loop": 2 if QUICK else 6,
+    "finite": 2 if QUICK else 10,
+    "wrapper": 2 if QUICK else 10,
+}
+FINITE_CALLS, WRAPPER_CALLS = (5, 50) if QUICK else (30, 200)
+
+# --- the model ----------------------------------------------------------------------
+
+
+def init_params(key):
+    dims = [D] + [HIDDEN] * LAYERS + [CLASSES]
+    keys = jax.random.split(key, len(dims) - 1)
+    return [
+        (jax.random.normal(k, (a, b)) * a**-0.5, jnp.zeros(b))
+        for k, a, b in zip(keys, dims[:-1], dims[1:])
+    ]
+
+
+def loss_fn(params, x, y):
+    for w, b in params[:-1]:
+        x = jax.nn.relu(x @ w + b)
+    w, b = params[-1]
+    logp = jax.nn.log_softmax(x @ w + b)
+    return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+
+
+def sgd(params, grads):
+    return jax.tree.map(lambda p, g: p - LR * g, params, grads)
+
+
+def labels_ok(y):
+    return jnp.all((y >= 0) & (y <= CLASSES - 1))
+
+
+def all_finite(tree):
+    """The naive predicate: `all(isfinite)` per leaf, combined."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(tree)]))
+
+
+def unchecked_step(params, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    return sgd(params, grads), loss
+
+
+def jaxshard_step(params, x, y):
+    jaxshard.check_range(y, 0, CLASSES - 1, name="label")
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    jaxshard.check(jnp.isfinite(loss), "loss is {loss}", loss=loss)
+    jaxshard.check_finite(grads, name="grads")
+    return sgd(params, grads), loss
+
+
+def flag_step(params, x, y, ok):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    found = jnp.stack([jnp.isfinite(loss), all_finite(grads), labels_ok(y)])
+    return sgd(params, grads), loss, ok & found
+
+
+def checkify_step(params, x, y):
+    checkify.check(labels_ok(y), f"a label is outside [0, {CLASSES - 1}]")
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    checkify.check(jnp.isfinite(loss), "loss is {loss}", loss=loss)
+    checkify.check(all_finite(grads), "grads hold NaN or infinity")
+    return sgd(params, grads), loss
+
+
+def equinox_step(params, x, y):
+    y = eqx.error_if(y, ~labels_ok(y), "a label is out of range")
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    loss = eqx.error_if(loss, ~jnp.isfinite(loss), "loss is not finite")
+    grads = eqx.error_if(grads, ~all_finite(grads), "grads hold NaN or infinity")
+    return sgd(params, grads), loss
+
+
+def data(mesh):
+    params = jax.device_put(init_params(jax.random.key(0)), NamedSharding(mesh, P()))
+    kx, ky = jax.random.split(jax.random.key(1))
+    xs = jax.random.normal(kx, (BATCHES, BATCH, D))
+    ys = jax.random.randint(ky, (BATCHES, BATCH), 0, CLASSES)
+    batch = NamedSharding(mesh, P("dp"))
+    batches = [
+        (jax.device_put(x, batch), jax.device_put(y, batch)) for x, y in zip(xs, ys)
+    ]
+    return params, batches
+
+
+# --- the loops ----------------------------------------------------------------------
+
+
+def loops(mesh) -> dict:
+    """Each variant as a function that runs a loop of `steps` steps from the same
+    start and returns the seconds per step."""
+    params, batches = data(mesh)
+    unchecked = jax.jit(unchecked_step)
+    checked = jaxshard.checked(jax.jit(jaxshard_step))
+    flag = jax.jit(flag_step)
+    checkified = jax.jit(checkify.checkify(checkify_step))
+    equinox = jax.jit(equinox_step)
+
+    def timed(body):
+        def run(steps: int) -> float:
+            start = time.perf_counter()
+            body(steps)
+            return (time.perf_counter() - start) / steps
+
+        return run
+
+    def plain_loop(steps, step):
+        p = params
+        for i in range(steps):
+            p, _ = step(p, *batches[i % BATCHES])
+        jax.block_until_ready(p)
+
+    def deferred(steps):
+        with jaxshard.deferred_checks():  # flushes at the end
+            plain_loop(steps, checked)
+
+    def off(steps):
+        with jaxshard.config(checks="off"):
+            plain_loop(steps, checked)
+
+    def flag_vector(steps):
+        p, ok = params, jnp.ones(3, bool)
+        for i in range(steps):
+            p, _, ok = flag(p, *batches[i % BATCHES], ok)
+        assert np.asarray(ok).all(), np.asarray(ok)
+
+    def checkify_throw(steps):
+        p = params
+        for i in range(steps):
+            err, (p, _) = checkified(p, *batches[i % BATCHES])
+            err.throw()
+        jax.block_until_ready(p)
+
+    return {
+        "unchecked": timed(lambda steps: plain_loop(steps, unchecked)),
+        "jaxshard deferred": timed(deferred),
+        "jaxshard raise": timed(lambda steps: plain_loop(steps, checked)),
+        "jaxshard off": timed(off),
+        "flag vector (floor)": timed(flag_vector),
+        "checkify, throw per step": timed(checkify_throw),
+        "equinox.error_if": timed(lambda steps: plain_loop(steps, equinox)),
+    }
+
+
+def side_by_side(runs: dict, rounds: int) -> dict:
+    """The seconds each of `runs` takes in each round; rounds run ABC, CBA, ABC, ..."""
+    times = {name: [] for name in runs}
+    for r in range(rounds):
+        for name in list(runs)[:: 1 if r % 2 == 0 else -1]:
+            gc.collect()  # not during the next run
+            times[name].append(runs[name]())
+    return times
+
+
+def jaxshard_checks_run(mesh) -> str:
+    """Why jaxshard's checked step fails on `mesh` ("" if it runs)."""
+    params, batches = data(mesh)
+    step = jaxshard.checked(jax.jit(jaxshard_step))
+    try:
+        jax.block_until_ready(step(params, *batches[0]))
+    except Exception as e:  # noqa: BLE001 -- reported in the table
+        return why_failed(e)
+    return ""
+
+
+def why_failed(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:70]}..."
+
+
+# --- check_finite alone, and the wrapper alone ----------------------------------------
+
+
+def deferred_calls(fn, args, calls: int):
+    """A function running `calls` calls of `fn` in deferred mode (flushed at the end,
+    after every result is ready), returning seconds per call."""
+
+    def run() -> float:
+        start = time.perf_counter()
+        with jaxshard.deferred_checks():
+            jax.block_until_ready([fn(*args) for _ in range(calls)])
+        return (time.perf_counter() - start) / calls
+
+    return run
+
+
+def finite_runs(mesh) -> tuple[dict, str]:
+    """`check_finite` and the naive predicate, each in a `checked` jitted function,
+    on a replicated tree and a dp-sharded one; and why jaxshard failed, if it did.
+    Both pay the same `checked` wrapper: the ratio is that of the predicates."""
+    params = init_params(jax.random.key(2))
+
+    def spec(leaf):
+        return P("dp") if leaf.shape[0] % mesh.size == 0 else P()
+
+    trees = {
+        "replicated": jax.device_put(params, NamedSharding(mesh, P())),
+        "dp-sharded": jax.tree.map(
+            lambda a: jax.device_put(a, NamedSharding(mesh, spec(a))), params
+        ),
+    }
+    runs, failed = {}, ""
+    for name, tree in trees.items():
+        check_finite = jaxshard.checked(jax.jit(jaxshard.check_finite))
+        naive = jaxshard.checked(jax.jit(all_finite))
+        try:
+            with jaxshard.deferred_checks():
+                jax.block_until_ready(check_finite(tree))
+        except Exception as e:  # noqa: BLE001 -- reported in the table
+            failed = why_failed(e)
+            continue
+        assert naive(tree)
+        runs[f"{name}, jaxshard"] = deferred_calls(check_finite, (tree,), FINITE_CALLS)
+        runs[f"{name}, naive"] = deferred_calls(naive, (tree,), FINITE_CALLS)
+    return runs, failed
+
+
+def wrapper_runs(mesh) -> dict:
+    """A tiny jitted function on the mesh, with and without `jaxshard.checked`."""
+    x = jax.device_put(jnp.zeros(64), NamedSharding(mesh, P("dp")))
+
+    def add_one(x):
+        return x + 1
+
+    plain, checked = jax.jit(add_one), jaxshard.checked(jax.jit(add_one))
+    return {
+        "checked": deferred_calls(checked, (x,), WRAPPER_CALLS),
+        "plain": deferred_calls(plain, (x,), WRAPPER_CALLS),
+    }
+
+
+# --- the table ----------------------------------------------------------------------
+
+
+TARGETS = {
+    "unchecked": "-",
+    "jaxshard deferred": "<= 1.03 x flag vector",
+    "jaxshard raise": "<= checkify",
+    "jaxshard off": "1.00 within noise",
+    "flag vector (floor)": "-",
+    "checkify, throw per step": "-",
+    "equinox.error_if": "-",
+}
+
+
+def print_table(rows):
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), flush=True)
+
+
+def paired(times: dict, a: str, b: str) -> float:
+    return median([x / y for x, y in zip(times[a], times[b])])
+
+
+def main() -> int:
+    assert jax.device_count() == 8, jax.devices()
+    started = time.perf_counter()
+    meshes = {
+        kind: jax.make_mesh((8,), ("dp",), axis_types=(getattr(AxisType, kind),))
+        for kind in ("Explicit", "Auto")
+    }
+    print(
+        f"jax {jax.__version__}, equinox {eqx.__version__}, {jax.device_count()} CPU "
+        f"devices (PJRT_NPROC={os.environ['PJRT_NPROC']}), mesh dp=8; MLP "
+        f"{LAYERS}x{HIDDEN}, batch {BATCH}, {STEPS} steps per run"
+        + (" (--quick: too few steps and rounds to trust)" if QUICK else ""),
+        flush=True,
+    )
+
+    # (a) the training loop
+    with jax.set_mesh(meshes["Explicit"]):
+        why = jaxshard_checks_run(meshes["Explicit"])
+    loop_kind = "Auto" if why else "Explicit"
+    if why:
+        print(f"jaxshard's checks fail on the Explicit mesh ({why}); loop on Auto")
+    with jax.set_mesh(meshes[loop_kind]):
+        runs = loops(meshes[loop_kind])
+        for run in runs.values():  # compile (twice where an output feeds an input)
+            run(2)
+        runs = {name: ft.partial(run, STEPS) for name, run in runs.items()}
+        times = side_by_side(runs, ROUNDS["loop"])
+    rows = [(f"(a) {loop_kind} mesh", "ms/step", "x unchecked", "target")]
+    for name, t in times.items():
+        ratio = paired(times, name, "unchecked")
+        rows.append((name, f"{median(t) * 1e3:.2f}", f"{ratio:.3f}", TARGETS[name]))
+    print_table(rows)
+    floor = paired(times, "jaxshard deferred", "flag vector (floor)")
+    vs_checkify = paired(times, "jaxshard raise", "checkify, throw per step")
+    print(
+        f"jaxshard deferred / flag vector: {floor:.3f} (target <= 1.03); "
+        f"jaxshard raise / checkify: {vs_checkify:.3f} (target <= 1.00)",
+        flush=True,
+    )
+
+    # (b) check_finite alone; (c) the wrapper alone
+    rows = [("", "jaxshard", "naive", "ratio", "target")]
+    for kind, mesh in meshes.items():
+        with jax.set_mesh(mesh):
+            runs, failed = finite_runs(mesh)
+            for run in runs.values():
+                run()
+            times = side_by_side(runs, ROUNDS["finite"])
+        for tree in ("replicated", "dp-sharded"):
+            what = f"(b) check_finite, {tree} tree, {kind} mesh"
+            if f"{tree}, jaxshard" not in times:
+                rows.append((what, "fails", "-", "-", failed))
+                continue
+            a, b = times[f"{tree}, jaxshard"], times[f"{tree}, naive"]
+            ratio = paired(times, f"{tree}, jaxshard", f"{tree}, naive")
+            rows.append(
+                (what, f"{median(a) * 1e3:.2f} ms", f"{median(b) * 1e3:.2f} ms")
+                + (f"{ratio:.3f}", "< 1")
+            )
+    with jax.set_mesh(meshes[loop_kind]):
+        runs = wrapper_runs(meshes[loop_kind])
+        for run in runs.values():
+            run()
+        times = side_by_side(runs, ROUNDS["wrapper"])
+    a, b = times["checked"], times["plain"]
+    extra = (median(a) - median(b)) * 1e6
+    rows.append(
+        (f"(c) checked(jit(f)), no checks, vs jit(f), {loop_kind} mesh",)
+        + (f"{median(a) * 1e6:.0f} us", f"{median(b) * 1e6:.0f} us")
+        + (f"{paired(times, 'checked', 'plain'):.3f}", f"- (+{extra:.0f} us per call)")
+    )
+    print_table(rows)
+    seconds = time.perf_counter() - started
+    print(f"({seconds:.0f} s; medians over rounds; ratios paired within rounds)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
