@@ -1,0 +1,210 @@
+"""What does `jaxshard.verify` cost over compiling the same model without checks?
+
+The model is the 24-layer transformer of `examples/transformer.py` (4.8 billion
+parameters in bfloat16, batches of 256 sequences of 2048 tokens), compiled for a
+256-chip TPU v5e pod (`v5e:16x16`, mesh dp=4 x fsdp=8 x tp=8, Auto axes) with libtpu,
+on this CPU-only machine. Two ways of stacking the layers:
+
+- `lax.scan` over the stacked weights, as the example does: one layer is traced and
+    compiled, whatever the depth;
+- a Python loop, unrolled: each of the 24 layers is traced, checked and compiled
+    on its own, so the checks' cost is paid 24 times.
+
+Each is measured two ways, alternating within every round (A B, B A, A B, ...) so that
+drift on a busy machine hits each alike:
+
+- verify: `jaxshard.verify(model, mesh=..., dims=..., dtypes=bfloat16)`, everything
+    included (building the abstract inputs, tracing with every contract checked,
+    compiling, reading the shardings XLA chose, memory and cost analysis);
+- plain: `jax.jit(model).lower(*args).compile()` of the same model with no checks at
+    all, on the same abstract inputs (`jaxshard.abstract_args`, so the same input
+    shardings), built outside the timed region.
+
+Before each measurement `jax.clear_caches()` runs, then the garbage collector (so that
+neither measurement pays for collecting the other's garbage), and a fresh `jax.jit`
+object is made (verify makes its own); the persistent compilation cache is off. So
+every measurement traces and compiles from scratch. The table shows the median
+wall-clock time of each, and the median over rounds of the ratio within a round: of
+wall-clock time, and of CPU time, which other work on a shared machine disturbs less.
+
+Run: `python benchmarks/bench_verify.py` (needs libtpu: `pip install 'jaxshard[tpu]'`);
+`--quick` for a smoke test.
+"""
+
+import gc
+import importlib.util
+import os
+import pathlib
+import re
+import sys
+import time
+from collections import Counter
+from statistics import median
+
+
+# No TPU here: libtpu only compiles. JAX must not look for one.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jaxshard  # noqa: E402
+
+
+QUICK = "--quick" in sys.argv[1:]  # a smoke test of the script, not a measurement
+# Even (but for --quick), so that each of the two goes first in as many rounds.
+ROUNDS = {"scan": 2 if QUICK else 10, "unrolled": 1 if QUICK else 4}
+LAYERS = 24
+TOPOLOGY, AXES = "v5e:16x16", {"dp": 4, "fsdp": 8, "tp": 8}
+EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "transformer.py"
+DECORATOR = "@jaxshard.jaxtyped(typechecker=beartype)\n"
+
+
+def load(name: str, checked: bool):
+    """The example as a module; `checked=False` deletes its decorator lines first.
+
+    That is the honest baseline: the same functions, calling each other as before,
+    but nothing reads their annotations, so there is no typechecker, no sharding check
+    and nothing added to the program. (The annotations are still evaluated, once, at
+    import; JAX never looks at them. `jaxshard.config(sharding="off")` would not do:
+    the typechecker and jaxtyping's shape checks would still run.)
+    """
+    source = EXAMPLE.read_text()
+    if not checked:
+        assert source.count(DECORATOR) >= 6, "the example's decorators have changed"
+        source = source.replace(DECORATOR, "")
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__file__ = str(EXAMPLE)
+    sys.modules[name] = module  # for the NamedTuples' and beartype's sake
+    exec(compile(source, str(EXAMPLE), "exec"), module.__dict__)
+    return module
+
+
+def unrolled(m):
+    """The example's model with its `lax.scan` replaced by a Python loop."""
+
+    def model(params: m.Stack, x: m.X) -> m.X:
+        for i in range(LAYERS):
+            x = m.block(m.Block(*(w[i] for w in params)), x)
+        return x
+
+    return model
+
+
+# --- measuring ----------------------------------------------------------------------
+
+
+def side_by_side(*runs, rounds: int) -> list[list]:
+    """What each of `runs` returns in each round; rounds run AB, BA, AB, ..."""
+    times = [[] for _ in runs]
+    for r in range(rounds):
+        order = list(range(len(runs)))[:: 1 if r % 2 == 0 else -1]
+        for i in order:
+            times[i].append(runs[i]())
+    return times
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?\S+\s+=\s+(.*)$", re.M)
+_OPCODE = re.compile(r"\b([a-z][\w\-]*)\(")  # shapes hold no `name(`: `(f32[2], s32[])`
+
+
+def hlo_ops(compiled_text: str) -> Counter:
+    """The opcodes of a compiled HLO module; names, shapes and metadata ignored."""
+    ops = Counter()
+    for rest in _INSTRUCTION.findall(compiled_text):
+        ops[_OPCODE.search(rest)[1]] += 1
+    return ops
+
+
+def timed(fn) -> tuple[float, float]:
+    """Wall-clock and CPU seconds (all of this process's threads) of `fn()`. Other
+    work on a shared machine stretches the first more than the second."""
+    jax.clear_caches()
+    gc.collect()  # so that neither pays for collecting the other's garbage
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def compare(checked_model, plain_model, mesh, dims, rounds: int):
+    """(wall, cpu) seconds of verify and of plain, per round, and the number of
+    operations the checked program has beyond the plain one's, and the plain one's."""
+    args = jaxshard.abstract_args(checked_model, mesh, dims, jnp.bfloat16)
+    programs = {}
+
+    def verify():
+        report = jaxshard.verify(
+            checked_model, mesh=mesh, dims=dims, dtypes=jnp.bfloat16
+        )
+        programs["checked"] = report.compiled
+
+    def plain():
+        with jax.set_mesh(mesh):  # the model's sharding constraints name mesh axes
+            programs["plain"] = jax.jit(plain_model).lower(*args).compile()
+
+    a, b = side_by_side(lambda: timed(verify), lambda: timed(plain), rounds=rounds)
+    ops = {k: hlo_ops(p.as_text()) for k, p in programs.items()}
+    extra = ops["checked"] - ops["plain"]  # ops in the checked program beyond plain's
+    return a, b, sum(extra.values()), sum(ops["plain"].values())
+
+
+# --- the table ----------------------------------------------------------------------
+
+
+def main() -> int:
+    if importlib.util.find_spec("libtpu") is None:
+        print("bench_verify needs libtpu: pip install 'jaxshard[tpu]'")
+        return 1
+    jax.config.update("jax_enable_compilation_cache", False)
+    checked, plain = load("transformer", True), load("transformer_plain", False)
+    mesh = jaxshard.tpu_mesh(TOPOLOGY, AXES, axis_types="auto")
+    dims = {**checked.DIMS, "batch": 256, "seqlen": 2048, "layers": LAYERS}
+    started = time.perf_counter()
+    print(
+        f"jax {jax.__version__}; {LAYERS}-layer transformer, {dims}, bfloat16; "
+        f"{TOPOLOGY} ({mesh.devices.size} x {mesh.devices.flat[0].device_kind}), "
+        f"mesh {' x '.join(f'{k}={v}' for k, v in AXES.items())}, Auto axes"
+        + (" (--quick: too few rounds to trust)" if QUICK else ""),
+        flush=True,
+    )
+    # Warm up: libtpu's start-up, jaxshard's and beartype's first calls.
+    compare(checked.model, plain.model, mesh, {**dims, "layers": 1}, rounds=1)
+
+    rows = [("", "verify", "plain", "ratio", "CPU ratio", "target", "")]
+    variants = [
+        ("scan", checked.model, plain.model),
+        ("unrolled", unrolled(checked), unrolled(plain)),
+    ]
+    for name, checked_model, plain_model in variants:
+        a, b, extra, total = compare(
+            checked_model, plain_model, mesh, dims, rounds=ROUNDS[name]
+        )
+        wall = median([x[0] / y[0] for x, y in zip(a, b)])
+        cpu = median([x[1] / y[1] for x, y in zip(a, b)])
+        rows.append(
+            (
+                f"{LAYERS} layers, {'lax.scan' if name == 'scan' else 'Python loop'}",
+                f"{median(x[0] for x in a):.2f} s",
+                f"{median(y[0] for y in b):.2f} s",
+                f"{wall:.3f}",
+                f"{cpu:.3f}",
+                "<= 1.10",
+                f"rounds: {ROUNDS[name]}; extra HLO ops: {extra} of {total} (target 0)",
+            )
+        )
+        print(f"  {rows[-1][0]}: done", flush=True)
+
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    seconds = time.perf_counter() - started
+    print(
+        f"({seconds:.0f} s; wall-clock times, medians over rounds; ratios paired "
+        "within rounds, of wall-clock and of CPU time)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
