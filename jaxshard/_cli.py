@@ -18,7 +18,8 @@ examples:
   python -m jaxshard verify model:forward --topology v5e:16x16 \\
       --mesh dp=16,tp=16 --dim batch=1024 --dim seqlen=2048
   python -m jaxshard verify examples/transformer.py:model --devices 8 \\
-      --mesh dp=4,tp=2 --dim batch=8 --json
+      --mesh dp=2,fsdp=2,tp=2 --dim batch=8 --dim seqlen=16 --dim d=64 \\
+      --dim heads=4 --dim hd=16 --dim hidden=128 --dim layers=2 --json
 """
 
 
