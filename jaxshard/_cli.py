@@ -8,6 +8,7 @@ import argparse
 import importlib
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -225,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         jaxshard.abstract_args(fn, mesh, dims, dtypes)
     except (ValueError, ImportError) as e:
-        parser.error(str(e).splitlines()[0] if "\n" in str(e) else str(e))
+        parser.error(_for_the_command_line(str(e).splitlines()[0]))
     import jaxshard
 
     try:
@@ -244,6 +245,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     print(report.to_json() if args.json else report)
     return 0 if report.ok else 1
+
+
+def _for_the_command_line(message: str) -> str:
+    """An error of the Python API, worded for the command line's options."""
+    return re.sub(
+        r"Pass them in `dims`, e\.g\. dims=\{.*?\} \(a tuple of sizes for a "
+        r"variadic dimension\)",
+        "Give them with --dim NAME=SIZE (NAME=S1,S2 for a variadic dimension)",
+        message,
+    )
 
 
 def _make_mesh(axes: dict[str, int], topology: str | None, axis_types: str | None):

@@ -123,6 +123,10 @@ def test_other_contract_failures_exit_1(run):
         (["model", "--mesh", "dp=4"], "write MODULE:FUNCTION"),
         (["model:layer", "--mesh", "dp4"], "bad --mesh 'dp4'"),
         (["model:layer", "--mesh", "dp=4,tp=2", "--dim", "b=8"], "'d' (in x, w)"),
+        (
+            ["model:layer", "--mesh", "dp=4,tp=2", "--dim", "b=8"],
+            "with --dim NAME=SIZE",
+        ),
         (["model:layer", "--mesh", "dp=4,tp=2", "--dim", "b"], "bad --dim 'b'"),
         (
             ["model:layer", "--mesh", "dp=2", "--topology", "v9:2x2", *DIMS],
