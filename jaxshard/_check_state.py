@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType
+from jax.sharding import AxisType, PartitionSpec
 
 from ._jax_internals import ref_contents
 
@@ -29,158 +29,114 @@ _INITIAL = np.array([0, 0, -1, -1, -1, -1, -1] + [-1] * BATCH_DEPTH, np.int32)
 _BIG = np.iinfo(np.int32).max
 
 
-# --- the state on the device: one or two small Refs per site --------------------------
+# --- the state on the device: one small Ref per group of sites ------------------------
 #
-# Each check costs compile time for every operation it adds (about a millisecond each
-# on XLA's CPU compiler): the update below is a handful of vector operations on the
-# site's own Refs. (Sharing one Ref between sites is slower to compile: XLA's
-# dynamic-update-slice chains cost more than separate buffers.)
+# The sites of one `check` call (one site) or one `check_finite` call (a site per
+# leaf) share an int32[sites, STATE_SIZE + value words] Ref, updated by one operation:
+# every Ref is an input and output buffer of the program on every device, and costs
+# dispatch time on every call. The update below is a few fused vector operations
+# (each costs compile time too, about a millisecond on XLA's CPU compiler, and a
+# program may hold a thousand checks).
 
 
 @dataclasses.dataclass(eq=False)
 class State:
-    """A site's state: int32[STATE_SIZE + integer values] and, if the site has
-    floating-point values, float32[their columns]."""
+    """The state of a group of sites: each row holds a site's statistics and the
+    values at its first failure, as int32 words (a float as a float32's bits)."""
 
-    ints: Any
-    floats: Any
+    ref: Any
     placement: Any
 
     @classmethod
-    def new(cls, dtypes, placement: Any, make: Callable) -> "State":
-        n_ints, n_floats = _columns(dtypes)
-        ints = np.concatenate([_INITIAL, np.zeros(n_ints, np.int32)])
-        floats = make(np.zeros(n_floats, np.float32)) if n_floats else None
-        return cls(ints=make(ints), floats=floats, placement=placement)
+    def new(cls, words: list[int], placement: Any, make: Callable) -> "State":
+        """For sites whose values take `words` int32 words each."""
+        return cls(ref=make(_initial(len(words), max(words))), placement=placement)
 
-    def refs(self) -> tuple:
-        return (self.ints,) if self.floats is None else (self.ints, self.floats)
-
-    def read(self) -> tuple[np.ndarray, np.ndarray | None] | None:
-        """The contents if the site failed (and then clears them)."""
-        ints = np.asarray(ref_contents(self.ints))
-        if ints[COUNT] == 0:
+    def read(self) -> np.ndarray | None:
+        """The contents if a site failed (and then clears them)."""
+        contents = np.asarray(ref_contents(self.ref))
+        if not contents[:, COUNT].any():
             return None
-        floats = None
-        if self.floats is not None:
-            floats = np.asarray(ref_contents(self.floats))
-        reset = np.concatenate([_INITIAL, np.zeros(len(ints) - STATE_SIZE, np.int32)])
         with _on(self.placement):
-            self.ints[...] = jnp.asarray(reset)
-        return ints, floats
+            sites, width = contents.shape
+            self.ref[...] = jnp.asarray(_initial(sites, width - STATE_SIZE))
+        return contents
 
 
-def _kind(dtype) -> str:
-    """How a value is stored: in float32 ("f"; "c", two of them, for complex) or in
-    int32 ("i"); the message shows it in its own dtype."""
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return "c"
-    return "f" if jnp.issubdtype(dtype, jnp.floating) else "i"
+def _initial(sites: int, words: int) -> np.ndarray:
+    """The state of `sites` sites, with `words` value words each, that have not
+    failed."""
+    row = np.concatenate([_INITIAL, np.zeros(words, np.int32)])
+    return np.tile(row, (sites, 1))
 
 
-def _columns(dtypes) -> tuple[int, int]:
-    kinds = [_kind(d) for d in dtypes]
-    return kinds.count("i"), kinds.count("f") + 2 * kinds.count("c")
+def _words(dtype) -> int:
+    """How many int32 words a value of `dtype` takes in the state."""
+    return 2 if jnp.issubdtype(dtype, jnp.complexfloating) else 1
 
 
-def _encode(values: list) -> tuple[list, list]:
-    """Values as int32 and float32 scalars."""
-    ints, floats = [], []
+def _encode(values: list) -> list:
+    """Values as int32 words: integers converted, floating point through float32's
+    bits, complex numbers as two float32s. The message shows each in its own dtype."""
+    words = []
     for v in values:
         v = jnp.asarray(v)
-        kind = _kind(v.dtype)
-        if kind == "c":
-            floats += [
-                lax.convert_element_type(jnp.real(v), jnp.float32),
-                lax.convert_element_type(jnp.imag(v), jnp.float32),
-            ]
-        elif kind == "f":
-            floats.append(lax.convert_element_type(v, jnp.float32))
+        if jnp.issubdtype(v.dtype, jnp.complexfloating):
+            parts = [jnp.real(v), jnp.imag(v)]
+        elif jnp.issubdtype(v.dtype, jnp.floating):
+            parts = [v]
         elif v.dtype == jnp.uint32:
-            ints.append(lax.bitcast_convert_type(v, jnp.int32))
+            words.append(lax.bitcast_convert_type(v, jnp.int32))
+            continue
         else:
-            ints.append(lax.convert_element_type(v, jnp.int32))
-    return ints, floats
+            words.append(lax.convert_element_type(v, jnp.int32))
+            continue
+        for part in parts:
+            part = lax.convert_element_type(part, jnp.float32)
+            words.append(lax.bitcast_convert_type(part, jnp.int32))
+    return words
 
 
-def _decode(dtypes, ints: np.ndarray, floats: np.ndarray | None) -> list:
-    out, i, f = [], 0, 0
+def _decode(dtypes, words: np.ndarray) -> list:
+    words = np.asarray(words, np.int32)
+    floats = words.view(np.float32)
+    out, i = [], 0
     for dtype in dtypes:
-        kind = _kind(dtype)
-        if kind == "c":
-            out.append(np.asarray(complex(floats[f], floats[f + 1])))
-            f += 2
-        elif kind == "f":
-            value = floats[f]
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            out.append(np.asarray(complex(floats[i], floats[i + 1])))
+        elif jnp.issubdtype(dtype, jnp.floating):
+            value = floats[i]
             out.append(
                 np.asarray(value if dtype == jnp.bfloat16 else value.astype(dtype))
             )
-            f += 1
+        elif dtype == np.uint32:
+            out.append(np.asarray(words[i : i + 1].view(np.uint32)[0]))
         else:
-            raw = ints[i : i + 1]
-            value = raw.view(np.uint32) if dtype == np.uint32 else raw.astype(dtype)
-            out.append(np.asarray(value[0]))
-            i += 1
-    return out
-
-
-def _decode_traced(dtypes, ints, floats) -> list:
-    out, i, f = [], 0, 0
-    for dtype in dtypes:
-        kind = _kind(dtype)
-        if kind == "c":
-            out.append(lax.complex(floats[f], floats[f + 1]).astype(dtype))
-            f += 2
-        elif kind == "f":
-            out.append(floats[f].astype(dtype))
-            f += 1
-        else:
-            raw = ints[i]
-            out.append(
-                lax.bitcast_convert_type(raw, dtype)
-                if dtype == jnp.uint32
-                else raw.astype(dtype)
-            )
-            i += 1
+            out.append(np.asarray(words[i].astype(dtype)))
+        i += _words(dtype)
     return out
 
 
 def _merge(refs, stats):
-    """Merges one evaluation's statistics into a site's state.
-
-    Written as elementwise selects over the state vector, so that XLA fuses the
-    whole update into one kernel: on the CPU each kernel costs milliseconds of
-    compile time, and a program may hold a thousand checks."""
-    flag, ints, *floats = refs
-    count, element, batch, device, call, iteration, *values = stats
+    """Merges one evaluation's statistics, a row per site, into a group's state."""
+    flag, state = refs
+    count, element, batch, device, call, iteration, words = stats
     fails = count > 0
-    first = (ints[COUNT] == 0) & fails
-    evals = lax.select(ints[LAST_CALL] == call, ints[EVALS], jnp.int32(0))
-    iteration = lax.select(iteration >= 0, iteration, evals)
-    new_ints, new_floats = _encode(values)
-    first_failure = [call, iteration, element, device, *batch, *new_ints]
-    index = lax.broadcasted_iota(jnp.int32, ints.shape, 0)
-    new = lax.select(first, _assemble(index, CALL, first_failure, ints), ints)
-    new = _put(index, COUNT, ints[COUNT] + count, new)
-    new = _put(index, EVALS, evals + 1, new)
-    new = _put(index, LAST_CALL, call, new)
-    out = [flag | fails, new]
-    if floats:
-        (old,) = floats
-        index = lax.broadcasted_iota(jnp.int32, old.shape, 0)
-        out.append(lax.select(first, _assemble(index, 0, new_floats, old), old))
-    return tuple(out)
+    first = (state[:, COUNT] == 0) & fails
+    evals = jnp.where(state[:, LAST_CALL] == call, state[:, EVALS], 0)
+    iteration = jnp.where(iteration >= 0, iteration, evals)
+    sites = count.shape[0]
 
+    def column(x):
+        return jnp.broadcast_to(x, (sites,))[:, None].astype(jnp.int32)
 
-def _put(index, i: int, value, vector):
-    return lax.select(index == i, jnp.broadcast_to(value, vector.shape), vector)
-
-
-def _assemble(index, start: int, scalars: list, vector):
-    """`vector` with `scalars` from position `start` on, by elementwise selects."""
-    for i, value in enumerate(scalars):
-        vector = _put(index, start + i, jnp.asarray(value, vector.dtype), vector)
-    return vector
+    first_failure = jnp.concatenate(
+        [column(call), column(iteration), column(element), column(device), batch, words],
+        axis=1,
+    )
+    kept = jnp.where(first[:, None], first_failure, state[:, CALL:])
+    counts = [column(state[:, COUNT] + count), column(evals + 1), column(call)]
+    return flag | jnp.any(fails), jnp.concatenate([*counts, kept], axis=1)
 
 
 def _on(placement: Any):
@@ -208,13 +164,8 @@ def _statistics(items: list[tuple]) -> list[tuple]:
         if i not in large:
             out[i] = _details(*item)
     if large:
-        any_fail = functools_reduce(
-            jnp.logical_or,
-            [jnp.logical_not(jnp.all(items[i][0](*items[i][1]))) for i in large],
-        )
-        if manual:
-            any_fail = _all_reduce(any_fail, manual, lax.pmax)
         group = [items[i] for i in large]
+        any_fail = _any_failure([f(*ops) for f, ops, _, _ in group], manual)
         inputs = [(item[1], item[2]) for item in group]
 
         def details(inputs):
@@ -237,6 +188,64 @@ def _statistics(items: list[tuple]) -> list[tuple]:
             )
         result.append(((count, first, device, *picked), tuple(manual)))
     return result
+
+
+def _any_failure(preds: list, manual: list) -> Any:
+    """Whether any of `preds` has a false element, the same on every device.
+
+    On a mesh whose axes are all Explicit, each device looks at its own block of
+    each predicate, and at a slice of it where the block is repeated on other
+    devices (a replicated predicate is checked an eighth per device on 8 devices
+    rather than whole on each); one all-reduce of one integer then combines them
+    all. Elsewhere XLA reduces each predicate as it sees fit."""
+    mesh = _explicit_mesh(preds)
+    if mesh is None:
+        fails = [jnp.logical_not(jnp.all(p)) for p in preds]
+        any_fail = functools_reduce(jnp.logical_or, fails)
+        return _all_reduce(any_fail, manual, lax.pmax) if manual else any_fail
+    axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
+    specs = tuple(jax.typeof(p).sharding.spec for p in preds)
+
+    def local(*blocks):
+        fails = [
+            jnp.logical_not(jnp.all(_share(b, spec, axes)))
+            for b, spec in zip(blocks, specs)
+        ]
+        any_fail = functools_reduce(jnp.logical_or, fails).astype(jnp.int32)
+        return _all_reduce(any_fail, axes, lax.pmax) > 0
+
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=PartitionSpec())(
+        *preds
+    )
+
+
+def _explicit_mesh(preds: list) -> Any:
+    """The mesh of `preds` if it spans several devices and every axis is Explicit."""
+    meshes = {jax.typeof(p).sharding.mesh for p in preds}
+    if len(meshes) != 1:
+        return None
+    (mesh,) = meshes
+    if mesh.empty or mesh.size == 1 or set(mesh.axis_types) != {AxisType.Explicit}:
+        return None
+    return mesh
+
+
+def _share(block, spec, axes):
+    """This device's share of `block`: a slice of it when the devices along the mesh
+    axes `spec` does not use hold the same block."""
+    used = {a for entry in spec if entry is not None for a in _names(entry)}
+    others = [(a, n) for a, n in axes if a not in used]
+    copies = int(np.prod([n for _, n in others]))
+    if copies == 1 or block.size % copies:
+        return block
+    index = jnp.zeros((), jnp.int32)
+    for a, n in others:
+        index = index * n + lax.axis_index(a)
+    return lax.dynamic_index_in_dim(block.reshape(copies, -1), index, keepdims=False)
+
+
+def _names(entry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _details(pred_fn, operands, values, shape):
@@ -322,17 +331,25 @@ def _combine_devices(count, first, picked, manual):
     return total, pick(first), first_device, [pick(v) for v in picked]
 
 
-def _reduce(count, element, batch, device, call, iteration, *values):
+def _reduce(count, element, batch, device, call, iteration, words):
+    """A vmapped evaluation's statistics (each with a leading batch dimension) as one
+    evaluation: per site, the counts summed and the rest from the first failing batch
+    element, whose index joins the batch indices."""
     has = count > 0
-    first = jnp.argmax(has).astype(jnp.int32)
-    index = jnp.where(jnp.any(has), first, -1).astype(jnp.int32)
-    batch = jnp.concatenate([index[None], batch[first][: BATCH_DEPTH - 1]])
+    first = jnp.argmax(has, axis=0)
+    index = jnp.where(jnp.any(has, axis=0), first, -1).astype(jnp.int32)
+
+    def at_first(x):
+        where = first.reshape((1, -1) + (1,) * (x.ndim - 2))
+        return jnp.take_along_axis(x, where, axis=0)[0]
+
+    batch = jnp.concatenate([index[:, None], at_first(batch)[:, : BATCH_DEPTH - 1]], 1)
     return (
-        jnp.sum(count, dtype=jnp.int32),
-        element[first],
+        jnp.sum(count, axis=0, dtype=jnp.int32),
+        at_first(element),
         batch,
-        device[first],
+        at_first(device),
         call[0],
-        iteration[first],
-        *(v[first] for v in values),
+        at_first(iteration),
+        at_first(words),
     )

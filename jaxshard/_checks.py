@@ -27,12 +27,13 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from . import _config
 from ._check_state import (
     _decode,
-    _decode_traced,
+    _encode,
     _INITIAL,
     _merge,
     _on,
     _reduce,
     _statistics,
+    _words,
     BATCH,
     BATCH_DEPTH,
     CALL,
@@ -145,9 +146,16 @@ class Site:
     device_axes: tuple[tuple[str, int], ...]  # manual axes, inside shard_map
     order: int
     dtypes: tuple = ()  # of the values
-    state: "State | None" = None
+    state: "State | None" = None  # shared with the other sites of its `check` call
+    row: int = 0  # in the state
 
-    def failure(self, state: np.ndarray, values: list[Any], deferred: bool) -> Failure:
+    @property
+    def words(self) -> int:
+        return sum(_words(d) for d in self.dtypes)
+
+    def failure(self, state: np.ndarray, deferred: bool) -> Failure:
+        """The failure recorded in `state`, this site's row of its state."""
+        values = _decode(self.dtypes, state[STATE_SIZE:])
         values_at = dict(zip(self.names, (v.item() for v in values)))
         size = int(np.prod(self.shape))
         element = None
@@ -155,7 +163,7 @@ class Site:
             element = tuple(
                 int(i) for i in np.unravel_index(state[ELEMENT], self.shape)
             )
-        batch = tuple(int(b) for b in state[BATCH:] if b >= 0) or None
+        batch = tuple(int(b) for b in state[BATCH:STATE_SIZE] if b >= 0) or None
         device = None
         if self.device_axes and state[DEVICE] >= 0:
             sizes = [n for _, n in self.device_axes]
@@ -250,16 +258,16 @@ class Scope:
         # `checked` call then costs one host-to-device copy before the program.
         set_ref_contents(calls, jax.device_put(np.int32(self._call), self.placement))
 
-    def add(self, site: Site) -> None:
-        """Gives `site` its state, placed where this call's programs run."""
-        site.state = State.new(
-            site.dtypes,
-            self.placement,
-            ft.partial(new_ref_outside_traces, sharding=self.placement),
-        )
+    def add(self, sites: list[Site]) -> State:
+        """Gives `sites` (those of one `check` call) their state, placed where this
+        call's programs run."""
+        make = ft.partial(new_ref_outside_traces, sharding=self.placement)
+        state = State.new([s.words for s in sites], self.placement, make)
         with self._lock:
-            site.order = len(self.sites)
-            self.sites.append(site)
+            for row, site in enumerate(sites):
+                site.state, site.row, site.order = state, row, len(self.sites)
+                self.sites.append(site)
+        return state
 
     def take_failures(self, deferred: bool) -> list[Failure]:
         """The failures recorded so far, in program order; clears them."""
@@ -269,13 +277,16 @@ class Scope:
                 raised.append(placement)
                 with _on(placement):
                     flag[...] = jnp.zeros((), bool)
-        failures = []
+        failures, read = [], {}
         for site in self.sites if raised else ():
-            found = site.state.read() if site.state.placement in raised else None
-            if found is not None:
-                ints, floats = found
-                values = _decode(site.dtypes, ints[STATE_SIZE:], floats)
-                failures.append(site.failure(ints[:STATE_SIZE], values, deferred))
+            state = site.state
+            if state.placement not in raised:
+                continue
+            if id(state) not in read:
+                read[id(state)] = state.read()
+            found = read[id(state)]
+            if found is not None and found[site.row, COUNT] > 0:
+                failures.append(site.failure(found[site.row], deferred))
         return failures
 
 
@@ -472,33 +483,48 @@ def _check_many(entries: list[tuple], filename: str, lineno: int) -> None:
         traced.append((site, (pred_fn, operands, list(values.values()), pred.shape)))
     if not traced:
         return
-    all_stats = _statistics([item for _, item in traced])
+    sites = [site for site, _ in traced]
+    rows = []
+    for site, ((count, element, device, *picked), axes) in zip(
+        sites, _statistics([item for _, item in traced])
+    ):
+        site.device_axes = axes
+        rows.append((count, element, device, jnp.int32(-1), _encode(picked)))
     scope = settings.check_scope
     frame = _frames.stack[-1] if _frames.stack else None
-    for (site, _), (stats, axes) in zip(traced, all_stats):
-        site.device_axes = axes
-        if frame is not None and axes:
-            frame.add(site, stats)
-        elif scope is None:
-            _fallback(site, stats)
-        else:
-            _record(scope, site, (*stats[:3], -1, *stats[3:]))
+    if frame is not None and sites[0].device_axes:
+        frame.add(sites, rows)
+    elif scope is None:
+        for site, row in zip(sites, rows):
+            _fallback(site, row)
+    else:
+        _record(scope, sites, rows)
 
 
-def _record(scope: Scope, site: Site, stats: tuple) -> None:
-    """Adds `site` to `scope` and accumulates one evaluation's `stats` (count,
-    element, device, iteration, *values) into its state."""
+def _record(scope: Scope, sites: list[Site], rows: list[tuple]) -> None:
+    """Adds `sites` to `scope` and accumulates one evaluation into their state: for
+    each, `(count, element, device, iteration, value words)`."""
     flag, calls = scope.refs()
-    scope.add(site)
-    _accumulate(site, flag, calls[...], stats)
+    _accumulate(scope.add(sites), flag, calls[...], rows)
 
 
-def _accumulate(site: Site, flag: Any, call: Any, stats: tuple) -> None:
-    count, element, device, iteration, *picked = stats
-    batch = jnp.full((BATCH_DEPTH,), -1, jnp.int32)
+def _accumulate(state: State, flag: Any, call: Any, rows: list[tuple]) -> None:
+    count, element, device, iteration = (
+        jnp.stack([jnp.asarray(row[i], jnp.int32) for row in rows]) for i in range(4)
+    )
+    width = max(len(row[4]) for row in rows)
+    words = jnp.stack(
+        [
+            jnp.stack([*row[4], *[jnp.int32(0)] * (width - len(row[4]))])
+            if width
+            else jnp.zeros((0,), jnp.int32)
+            for row in rows
+        ]
+    )
+    batch = jnp.full((len(rows), BATCH_DEPTH), -1, jnp.int32)
     accumulate(
-        (flag, *site.state.refs()),
-        (count, element, batch, device, call, jnp.int32(iteration), *picked),
+        (flag, state.ref),
+        (count, element, batch, device, call, iteration, words),
         _merge,
         _reduce,
     )
@@ -521,38 +547,41 @@ class ShardMapFrame:
     def __init__(self):
         self.trace = current_trace()
         self.flag = new_ref_in(self.trace, np.zeros((), bool))
-        self.sites: list[Site] = []
+        self.groups: list[list[Site]] = []
 
-    def add(self, site: Site, stats) -> None:
-        site.state = State.new(site.dtypes, None, ft.partial(new_ref_in, self.trace))
-        self.sites.append(site)
-        count, element, device, *picked = stats
-        call = jnp.zeros((), jnp.int32)
-        _accumulate(site, self.flag, call, (count, element, device, -1, *picked))
+    def add(self, sites: list[Site], rows: list[tuple]) -> None:
+        make = ft.partial(new_ref_in, self.trace)
+        state = State.new([s.words for s in sites], None, make)
+        for row, site in enumerate(sites):
+            site.state, site.row = state, row
+        self.groups.append(sites)
+        _accumulate(state, self.flag, jnp.zeros((), jnp.int32), rows)
 
     def contents(self) -> list:
-        """What the body returns: every site's state, read at the end of the body."""
-        return [tuple(r[...] for r in s.state.refs()) for s in self.sites]
+        """What the body returns: the state of each group of sites, read at the end
+        of the body."""
+        return [sites[0].state.ref[...] for sites in self.groups]
 
     def forward(self, contents: list) -> None:
         """Records, outside the shard_map, what its body found."""
         scope = _config.current().check_scope
-        for site, (ints, *floats) in zip(self.sites, contents):
-            values = _decode_traced(
-                site.dtypes, ints[STATE_SIZE:], floats[0] if floats else None
-            )
-            stats = (
-                ints[COUNT],
-                ints[ELEMENT],
-                ints[DEVICE],
-                jnp.where(ints[EVALS] > 1, ints[ITERATION], -1),
-                *values,
-            )
-            outer = dataclasses.replace(site, state=None)
+        for sites, state in zip(self.groups, contents):
+            outer = [dataclasses.replace(site, state=None) for site in sites]
+            rows = [
+                (
+                    state[i, COUNT],
+                    state[i, ELEMENT],
+                    state[i, DEVICE],
+                    jnp.where(state[i, EVALS] > 1, state[i, ITERATION], -1),
+                    [state[i, STATE_SIZE + w] for w in range(site.words)],
+                )
+                for i, site in enumerate(sites)
+            ]
             if scope is None:
-                _fallback(outer, (stats[0], stats[1], stats[2], *stats[4:]))
+                for site, row in zip(outer, rows):
+                    _fallback(site, row)
             else:
-                _record(scope, outer, stats)
+                _record(scope, outer, rows)
 
 
 @contextlib.contextmanager
@@ -628,14 +657,14 @@ def _broadcast(name: str, value: Any, pred) -> Any:
 # --- checks no `checked` call owns ----------------------------------------------------
 
 
-def _fallback(site: Site, stats) -> None:
-    count, element, device, *picked = stats
+def _fallback(site: Site, row: tuple) -> None:
+    count, element, device, _, words = row
     jax.debug.callback(
-        ft.partial(_raise_from_callback, site), count, element, device, *picked
+        ft.partial(_raise_from_callback, site), count, element, device, *words
     )
 
 
-def _raise_from_callback(site: Site, count, element, device, *values) -> None:
+def _raise_from_callback(site: Site, count, element, device, *words) -> None:
     count = np.asarray(count)
     if not count.any():
         return
@@ -646,8 +675,9 @@ def _raise_from_callback(site: Site, count, element, device, *values) -> None:
     state[COUNT] = count.sum()
     state[ELEMENT] = np.asarray(element).ravel()[flat]
     state[DEVICE] = np.asarray(device).ravel()[flat]
-    values = [np.asarray(v).ravel()[flat] for v in values]
-    failure = site.failure(state, values, deferred=False)
+    words = [np.asarray(w).ravel()[flat] for w in words]
+    state = np.concatenate([state, np.asarray(words, np.int32)])
+    failure = site.failure(state, deferred=False)
     if batch is not None:
         failure = dataclasses.replace(failure, batch_index=batch)
     raise CheckError([failure], when=" (in a host callback: no jaxshard.checked call)")
@@ -663,9 +693,9 @@ def check_finite(tree: Any, name: str | None = None) -> None:
     non-finite values, by tree path, with how many they hold and the first one. Leaves
     that are not floating point are skipped.
 
-    On a mesh with Explicit axes a replicated leaf is checked a slice per device
-    rather than whole on every device: each device looks at its share, and one
-    boolean is combined across devices.
+    On a mesh whose axes are all Explicit, a replicated leaf is checked a slice per
+    device rather than whole on every device: each device looks at its share, and
+    one integer is combined across devices for the whole tree.
 
     **Arguments:**
 
@@ -684,10 +714,9 @@ def check_finite(tree: Any, name: str | None = None) -> None:
         if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
             continue
         where = name + jax.tree_util.keystr(path)
-        x = _spread(leaf)
         message = f"{where} holds NaN or infinity (first: {{value}})"
         entries.append(
-            (None, message, {"value": x}, jnp.shape(leaf), jnp.isfinite, (x,))
+            (None, message, {"value": leaf}, jnp.shape(leaf), jnp.isfinite, (leaf,))
         )
     _check_many(entries, *_caller())
 
@@ -736,23 +765,3 @@ def check_range(
         pred_fn=within,
         operands=(x,),
     )
-
-
-def _spread(x: Any) -> Any:
-    """`x`, flattened and laid out over every device of its Explicit mesh when it is
-    replicated there: a check on it then runs a slice per device."""
-    if not isinstance(x, jax.core.Tracer):
-        return x
-    sharding = jax.typeof(x).sharding
-    mesh = sharding.mesh
-    if (
-        mesh.empty
-        or set(mesh.axis_types) != {AxisType.Explicit}
-        or any(e is not None for e in sharding.spec)
-        or x.size % mesh.size
-        or x.size < 4 * mesh.size
-    ):
-        return x
-    flat = x.reshape(mesh.size, -1)
-    spec = PartitionSpec(tuple(mesh.axis_names))
-    return jax.sharding.reshard(flat, NamedSharding(mesh, spec))
