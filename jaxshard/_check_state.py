@@ -131,7 +131,14 @@ def _merge(refs, stats):
         return jnp.broadcast_to(x, (sites,))[:, None].astype(jnp.int32)
 
     first_failure = jnp.concatenate(
-        [column(call), column(iteration), column(element), column(device), batch, words],
+        [
+            column(call),
+            column(iteration),
+            column(element),
+            column(device),
+            batch,
+            words,
+        ],
         axis=1,
     )
     kept = jnp.where(first[:, None], first_failure, state[:, CALL:])
