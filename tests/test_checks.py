@@ -457,6 +457,31 @@ def test_check_finite_names_leaves(explicit_mesh):
     assert [x.element for x in found] == [(1,), (3, 5)]
 
 
+def test_check_finite_splits_replicated_leaves(explicit_mesh):
+    """On an Explicit mesh the passing test of a whole tree is each device's slice and
+    one all-reduce; the search for the first failure waits behind a conditional."""
+    from jaxshard import _config
+
+    tree = jax.device_put(
+        {"w": jnp.ones((64, 32)), "b": jnp.ones(32), "s": jnp.ones(())},
+        NamedSharding(explicit_mesh, P()),
+    )
+
+    def check(tree):
+        jaxshard.check_finite(tree)
+
+    f = jaxshard.checked(jax.jit(check))
+    with jax.set_mesh(explicit_mesh):
+        f(tree)
+        with _config.overriding(check_scope=f.scope):
+            hlo = jax.jit(check).lower(tree).compile().as_text()
+        (found,) = failures(f, {**tree, "w": tree["w"].at[60, 3].set(jnp.nan)})
+    entry = hlo[hlo.index("\nENTRY") :]
+    assert entry.count("all-reduce(") == 1 and "all-gather" not in hlo
+    assert "dynamic-slice" in hlo  # each device takes its slice
+    assert found.element == (60, 3) and found.count == 1
+
+
 def test_check_range():
     @jaxshard.checked
     @jax.jit
