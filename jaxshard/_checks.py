@@ -50,6 +50,7 @@ from ._jax_internals import (
     context_mesh,
     current_trace,
     in_trace,
+    jit_parameters,
     new_ref_in,
     new_ref_outside_traces,
     ref_contents,
@@ -237,6 +238,54 @@ class Scope:
         self._generation = -1
         self._call = -1
         self._lock = threading.Lock()
+        # Compiled calls: what each returned, not yet folded, and the folded state of
+        # each of their frames (one per trace).
+        self._pending: list["Findings"] = []
+        self._folded: dict["Frame", tuple] = {}
+        self._counters: dict[Any, tuple[int, Any]] = {}
+
+    def next_call(self) -> int:
+        if self._generation != _generation[0]:
+            self._generation = _generation[0]
+            self._call = -1
+        self._call += 1
+        return self._call
+
+    def run_compiled(self, compiled: Callable, mode: str, args, kwargs) -> Any:
+        """Calls `compiled` (see `_compiled`) and keeps or reads what it found."""
+        call = self.next_call()
+        # The call index: the previous call's, plus one, computed on the device (a
+        # transfer from the host would cost more than the rest of the wrapper).
+        placement = _placement(args, kwargs)
+        counted, counter = self._counters.get(placement, (None, None))
+        if counted != call:
+            counter = call if placement is None else jax.device_put(call, placement)
+        out, findings = compiled(counter, *args, **kwargs)
+        if placement is not None:
+            self._counters[placement] = (call + 1, findings.next_call)
+        if mode == "raise":
+            if bool(findings.flag):  # the call's one wait for the device
+                failures = findings.frame.failures(findings.states, deferred=False)
+                raise CheckError(failures, when=f" in {self.name}")
+            return out
+        self._pending.append(findings)
+        if len(self._pending) == _FOLD_EVERY:
+            self._fold()
+        return out
+
+    def _fold(self) -> None:
+        """Merges the pending calls' findings, on the device, into one state per
+        frame: a small program every few calls rather than a read per call."""
+        by_frame: dict["Frame", list] = {}
+        for findings in self._pending:
+            by_frame.setdefault(findings.frame, []).append(findings.states)
+        self._pending = []
+        for frame, calls in by_frame.items():
+            if frame in self._folded:
+                calls = [self._folded[frame], *calls]
+            self._folded[frame] = (
+                _fold_calls(tuple(calls)) if len(calls) > 1 else calls[0]
+            )
 
     def refs(self) -> tuple[Any, Any]:
         """The flag and call counter for the current placement."""
@@ -250,13 +299,10 @@ class Scope:
     def begin_call(self, args: tuple, kwargs: dict) -> None:
         self.placement = _placement(args, kwargs)
         _, calls = self.refs()
-        if self._generation != _generation[0]:
-            self._generation = _generation[0]
-            self._call = -1
-        self._call += 1
         # The call index goes to the device as a transfer, not as an operation: a
         # `checked` call then costs one host-to-device copy before the program.
-        set_ref_contents(calls, jax.device_put(np.int32(self._call), self.placement))
+        call = np.int32(self.next_call())
+        set_ref_contents(calls, jax.device_put(call, self.placement))
 
     def add(self, sites: list[Site]) -> State:
         """Gives `sites` (those of one `check` call) their state, placed where this
@@ -271,6 +317,14 @@ class Scope:
 
     def take_failures(self, deferred: bool) -> list[Failure]:
         """The failures recorded so far, in program order; clears them."""
+        self._fold()
+        failures = []
+        for frame, states in self._folded.items():
+            failures += frame.failures(states, deferred)
+        self._folded = {}
+        return failures + self._take_ref_failures(deferred)
+
+    def _take_ref_failures(self, deferred: bool) -> list[Failure]:
         raised = []
         for placement, (flag, _) in self._refs.items():
             if bool(ref_contents(flag)):  # the call's one wait for the device
@@ -303,6 +357,72 @@ def _placement(args: tuple, kwargs: dict) -> Any:
         if isinstance(sharding, NamedSharding) and len(sharding.device_set) > 1:
             return NamedSharding(sharding.mesh, PartitionSpec())
     return None
+
+
+# --- compiled calls -------------------------------------------------------------------
+#
+# `checked(jax.jit(f))` runs as `jax.jit(run)`, where `run` calls the jitted `f` with
+# its checks writing to Refs made inside the trace (a `Frame`), and returns their
+# contents with `f`'s outputs. The program then has no Refs among its inputs, so JAX
+# dispatches it through its C++ fast path, and nothing waits for the device: in
+# "deferred" mode the findings of each call are merged on the device every few calls.
+
+
+_FOLD_EVERY = 16
+
+
+class Findings:
+    """What one compiled call found: its frame's flag and the state of each group of
+    sites. A pytree whose structure holds the frame, so the jit cache gives it back."""
+
+    def __init__(self, frame: "Frame", flag: Any, states: tuple, next_call: Any):
+        self.frame, self.flag, self.states = frame, flag, states
+        self.next_call = next_call  # the index of the next call, on the device
+
+
+jax.tree_util.register_pytree_node(
+    Findings,
+    lambda f: ((f.flag, f.states, f.next_call), f.frame),
+    lambda frame, children: Findings(frame, *children),
+)
+
+
+def _compiled(fn: Callable) -> Callable | None:
+    """`fn` as a program that also returns its checks' findings, if `fn` is a
+    `jax.jit` function (with the same static and donated arguments); else `None`."""
+    params = jit_parameters(fn)
+    if params is None:
+        return None
+
+    def run(call, *args, **kwargs):
+        frame = Frame(call)
+        with _config.overriding(check_scope=frame):
+            out = fn(*args, **kwargs)
+        findings = Findings(frame, frame.flag[...], tuple(frame.contents()), call + 1)
+        return out, findings
+
+    shift = lambda numbers: tuple(i + 1 for i in numbers)  # noqa: E731
+    return jax.jit(
+        run,
+        static_argnums=shift(params["static_argnums"]),
+        static_argnames=params["static_argnames"],
+        donate_argnums=shift(params["donate_argnums"]),
+        donate_argnames=params["donate_argnames"],
+    )
+
+
+@jax.jit
+def _fold_calls(calls: tuple) -> tuple:
+    """The states of several calls of one program, merged: per site, the counts
+    summed and the first failure from the earliest call that failed."""
+    merged = []
+    for group in zip(*calls):
+        stacked = jnp.stack(group)
+        counts = stacked[:, :, COUNT]
+        first = jnp.argmax(counts > 0, axis=0)
+        picked = jnp.take_along_axis(stacked, first[None, :, None], axis=0)[0]
+        merged.append(picked.at[:, COUNT].set(jnp.sum(counts, axis=0)))
+    return tuple(merged)
 
 
 _generation = [0]  # bumped when deferred counting restarts: call indices start at 0
@@ -342,6 +462,7 @@ def checked(fn: Callable) -> Callable:
         ```
     """
     scope = Scope(getattr(fn, "__qualname__", repr(fn)))
+    compiled = _compiled(fn)
 
     @ft.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -355,6 +476,12 @@ def checked(fn: Callable) -> Callable:
                 "jax.jit?). Call the checked function from outside jit, or put the "
                 "jit inside: jaxshard.checked(jax.jit(f))."
             )
+        if compiled is not None:
+            with _config.overriding(check_scope=scope):
+                out = scope.run_compiled(compiled, settings.checks, args, kwargs)
+            if settings.checks != "raise":
+                _deferred_scopes.add(scope)
+            return out
         scope.begin_call(args, kwargs)
         with _config.overriding(check_scope=scope):
             out = fn(*args, **kwargs)
@@ -494,6 +621,8 @@ def _check_many(entries: list[tuple], filename: str, lineno: int) -> None:
     frame = _frames.stack[-1] if _frames.stack else None
     if frame is not None and sites[0].device_axes:
         frame.add(sites, rows)
+    elif isinstance(scope, Frame):
+        scope.add(sites, rows)
     elif scope is None:
         for site, row in zip(sites, rows):
             _fallback(site, row)
@@ -538,15 +667,14 @@ class _Frames(threading.local):
 _frames = _Frames()
 
 
-class ShardMapFrame:
-    """The checks inside one `jaxshard.shard_map` body. JAX cannot close a shard_map
-    body over Refs from outside it, so the checks write to Refs made in the body, and
-    the body returns their contents (the same on every device), which are then
-    recorded outside as if the check had been made there."""
+class Frame:
+    """Checks whose state lives in one trace: Refs made in it, whose contents the
+    traced function returns. See `ShardMapFrame` and `_compiled`."""
 
-    def __init__(self):
+    def __init__(self, call: Any = None):
         self.trace = current_trace()
         self.flag = new_ref_in(self.trace, np.zeros((), bool))
+        self.call = jnp.zeros((), jnp.int32) if call is None else call
         self.groups: list[list[Site]] = []
 
     def add(self, sites: list[Site], rows: list[tuple]) -> None:
@@ -555,12 +683,28 @@ class ShardMapFrame:
         for row, site in enumerate(sites):
             site.state, site.row = state, row
         self.groups.append(sites)
-        _accumulate(state, self.flag, jnp.zeros((), jnp.int32), rows)
+        _accumulate(state, self.flag, self.call, rows)
 
     def contents(self) -> list:
-        """What the body returns: the state of each group of sites, read at the end
-        of the body."""
+        """The state of each group of sites, read at the end of the trace."""
         return [sites[0].state.ref[...] for sites in self.groups]
+
+    def failures(self, states: list, deferred: bool) -> list[Failure]:
+        """The failures in `states` (what `contents` became), in program order."""
+        failures = []
+        for sites, state in zip(self.groups, states):
+            state = np.asarray(state)
+            for site in sites:
+                if state[site.row, COUNT] > 0:
+                    failures.append(site.failure(state[site.row], deferred))
+        return failures
+
+
+class ShardMapFrame(Frame):
+    """The checks inside one `jaxshard.shard_map` body. JAX cannot close a shard_map
+    body over Refs from outside it, so the checks write to Refs made in the body, and
+    the body returns their contents (the same on every device), which are then
+    recorded outside as if the check had been made there."""
 
     def forward(self, contents: list) -> None:
         """Records, outside the shard_map, what its body found."""
@@ -580,6 +724,8 @@ class ShardMapFrame:
             if scope is None:
                 for site, row in zip(outer, rows):
                     _fallback(site, row)
+            elif isinstance(scope, Frame):
+                scope.add(outer, rows)
             else:
                 _record(scope, outer, rows)
 

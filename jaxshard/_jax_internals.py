@@ -294,6 +294,19 @@ def accumulate(refs: tuple, stats: tuple, merge: Callable, reduce: Callable) -> 
     accumulate_p.bind(*refs, *stats, n_refs=len(refs), merge=merge, reduce=reduce)
 
 
+def jit_parameters(fn: Any) -> dict[str, tuple] | None:
+    """The static and donated arguments of a `jax.jit` function, or `None` if `fn`
+    is not one. Read from jit's own record of its parameters (`_jit_info`)."""
+    info = getattr(fn, "_jit_info", None)
+    if info is None or not callable(getattr(fn, "trace", None)):
+        return None
+    names = ("static_argnums", "static_argnames", "donate_argnums", "donate_argnames")
+    try:
+        return {name: tuple(getattr(info, name)) for name in names}
+    except (AttributeError, TypeError):
+        return None
+
+
 def in_trace() -> bool:
     """Whether JAX is tracing (inside jit, vmap, grad, ...) rather than running op by
     op."""
