@@ -1,6 +1,7 @@
 """Value contracts: `check`, `checked`, the modes, and every transformation."""
 
 import contextlib
+import functools as ft
 import os
 import re
 import subprocess
@@ -312,6 +313,64 @@ def test_deferred_block_does_not_mask_errors():
     jaxshard.flush_checks.__doc__  # the failure stays for the next flush
     with pytest.raises(jaxshard.CheckError):
         jaxshard.flush_checks()
+
+
+def test_deferred_findings_are_merged_across_calls_and_shapes():
+    """More calls than are kept unmerged, with two shapes: each shape is its own
+    program with its own checks, reported in the order they were traced; each
+    failure has the first call where it failed, and its count over the calls."""
+    step = step_fn()
+    with pytest.raises(jaxshard.CheckError) as e:
+        with jaxshard.deferred_checks():
+            for i in range(70):
+                x = jnp.zeros(2 if i % 2 else 3)
+                step(x + (5 if i in (37, 38, 61) else 0) - (9 if i == 52 else 0))
+    found = [(x.message, x.call, x.count) for x in e.value.failures]
+    assert found == [
+        ("too big 5.0", 38, 3),  # x: f32[3], even calls
+        ("too small -9.0", 52, 3),
+        ("too big 5.0", 37, 2 + 2),  # x: f32[2], odd calls
+    ]
+
+
+def test_checked_jit_keeps_static_and_donated_arguments():
+    @jaxshard.checked
+    @ft.partial(jax.jit, static_argnums=1, donate_argnums=0)
+    def scale(x, n):
+        jaxshard.check(x * n < 10, "x*n is {v}", v=x * n)
+        return x * n
+
+    x = jnp.ones(4)
+    assert scale(x, 2).tolist() == [2.0] * 4
+    assert x.is_deleted()
+    (found,) = failures(scale, jnp.ones(4), 20)
+    assert found.message == "x*n is 20.0"
+
+
+def test_checked_jit_runs_through_jits_fast_path(monkeypatch):
+    """`checked(jax.jit(f))` runs one program that returns what its checks found.
+    It takes no Refs, so JAX dispatches it from C++: its Python path never runs
+    once the program is compiled."""
+    from jax._src.interpreters import pxla
+
+    step = step_fn()
+    ran = []
+    python_path = pxla.ExecuteReplicated.__call__
+
+    def spy(self, *args):
+        ran.append(self.name)
+        return python_path(self, *args)
+
+    step(jnp.float32(0))  # each mode is its own program: compile both
+    with jaxshard.deferred_checks():
+        for _ in range(2):
+            step(jnp.float32(0))
+        monkeypatch.setattr(pxla.ExecuteReplicated, "__call__", spy)
+        for _ in range(40):
+            step(jnp.float32(0))
+    for _ in range(3):
+        step(jnp.float32(0))
+    assert ran and not [name for name in ran if "fold" not in name], ran
 
 
 def test_off_compiles_the_program_without_checks():
