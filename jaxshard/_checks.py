@@ -440,6 +440,11 @@ def checked(fn: Callable) -> Callable:
     `jaxshard.deferred_checks()`) nothing is read: failures accumulate on the device
     until `jaxshard.flush_checks()`. In "off" mode checks are not even traced.
 
+    A `jax.jit` function (`checked(jax.jit(f))`) runs as one program that also
+    returns what its checks found, dispatched by JAX like any jitted function, with
+    `f`'s static and donated arguments kept. For any other `fn`, the checks' state
+    lives on the device between calls, as `jax.Ref`s its programs take.
+
     **Arguments:**
 
     - `fn`: any function, jitted or not; `checked(jax.jit(f))` and
