@@ -51,6 +51,7 @@ from ._checks import (
 from ._config import config as config
 from ._decorator import jaxtyped as jaxtyped
 from ._errors import ShardingError as ShardingError
+from ._launch import launch as launch, ProcessOutcome as ProcessOutcome
 from ._signature import (
     abstract_args as abstract_args,
     shard_map as shard_map,
@@ -103,9 +104,11 @@ __all__ = [
     "Integer",
     "jaxtyped",
     "Key",
+    "launch",
     "Memory",
     "Num",
     "partition_spec",
+    "ProcessOutcome",
     "Real",
     "Report",
     "Row",

@@ -592,7 +592,10 @@ def _check_many(entries: list[tuple], filename: str, lineno: int) -> None:
             # Unused below when traced (so removed as dead code): for shape and layout.
             pred = pred_fn(*operands)
         if not isinstance(pred, jax.core.Tracer):
-            _check_now(pred, msg, values, filename, lineno)
+            if any(map(_spans_processes, (pred, *values.values()))):
+                _check_across_processes(pred, msg, values, filename, lineno)
+            else:
+                _check_now(pred, msg, values, filename, lineno)
             continue
         if not jnp.issubdtype(pred.dtype, jnp.bool_):
             raise TypeError(
@@ -780,6 +783,46 @@ def _check_now(pred, msg, values, filename, lineno) -> None:
             )
         ]
     )
+
+
+def _spans_processes(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def _check_across_processes(pred, msg, values, filename, lineno) -> None:
+    """An eager check of arrays spread over several processes. No process can read
+    the others' data, so a compiled program computes the check's statistics, and
+    every process gets the same scalars back, and raises the same error."""
+    if not jnp.issubdtype(pred.dtype, jnp.bool_):
+        raise TypeError(
+            f"jaxshard.check: the predicate must be boolean; got {pred.dtype}. Write a "
+            "comparison, e.g. `x > 0`."
+        )
+    names = tuple(values)
+
+    def statistics(pred, values):
+        values = [_broadcast(k, v, pred) for k, v in zip(names, values)]
+        ((stats, _),) = _statistics([(_identity, (pred,), values, pred.shape)])
+        count, element, _, *picked = stats
+        return count, element, _encode(picked)
+
+    count, element, words = jax.jit(statistics)(pred, list(values.values()))
+    if int(count) == 0:
+        return
+    state = _INITIAL.copy()
+    state[COUNT], state[ELEMENT] = int(count), int(element)
+    site = Site(
+        message=msg,
+        filename=filename,
+        lineno=lineno,
+        names=names,
+        shape=tuple(pred.shape),
+        device_axes=(),
+        order=0,
+        dtypes=tuple(jnp.result_type(v) for v in values.values()),
+    )
+    row = np.concatenate([state, np.array([int(w) for w in words], np.int32)])
+    raise CheckError([site.failure(row, deferred=False)])
 
 
 def _identity(x):

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from . import _dims
 from ._array_types import partition_spec
 from ._errors import AnnotationError
-from ._jax_internals import context_mesh
+from ._jax_internals import context_mesh, in_trace
 from ._spec import axes_of, format_spec
 
 
@@ -349,28 +349,28 @@ def shard_map(fn: Callable | None = None, mesh: Any = None, **kwargs) -> Callabl
                     "replicated value) or pass `out_specs=`."
                 )
             kwargs["out_specs"] = out
-    from ._checks import shard_map_checks
+    from ._checks import Findings, shard_map_checks
     from ._verify import checked_by_jaxshard
 
     body = checked_by_jaxshard(fn)
-    frames = []
 
     def body_with_checks(*args):
-        # Value checks inside the body come out as an extra, replicated output.
+        # Value checks inside the body come out as an extra, replicated output,
+        # whose tree structure holds the frame (so jit's cache gives it back).
         with shard_map_checks() as frame:
             out = body(*args)
-        frames.append(frame)
-        return out, frame.contents()
+        return out, Findings(frame, None, tuple(frame.contents()), None)
 
     kwargs["out_specs"] = (kwargs["out_specs"], PartitionSpec())
     mapped = jax.shard_map(body_with_checks, mesh=mesh, **kwargs)
+    # JAX runs a shard_map op by op when called outside jit, and then refuses the
+    # Refs its body's checks make: called eagerly, it is compiled instead.
+    compiled = jax.jit(mapped)
 
     @ft.wraps(fn)
     def wrapper(*args):
-        del frames[:]
-        out, contents = mapped(*args)
-        if frames:
-            frames[-1].forward(contents)
+        out, found = (mapped if in_trace() else compiled)(*args)
+        found.frame.forward(found.states)
         return out
 
     return wrapper

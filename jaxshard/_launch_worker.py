@@ -1,0 +1,67 @@
+"""One process of `jaxshard.launch`: `python -m jaxshard._launch_worker SPEC`, where
+SPEC is the JSON `launch` writes. Joins the others, calls the target, and writes
+what happened to the result file."""
+
+import importlib
+import importlib.util
+import json
+import sys
+import traceback
+
+
+def _load(target: str):
+    where, _, name = target.rpartition(":")
+    if where.endswith(".py"):
+        spec = importlib.util.spec_from_file_location("__jaxshard_target__", where)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {where!r}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, name)
+
+
+def _json(value):
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def main(spec: dict) -> int:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", spec["devices"])
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Short heartbeats and shutdown: a process whose peers died stops soon after.
+    limit = max(1, int(spec["timeout"]))
+    jax.distributed.initialize(
+        coordinator_address=spec["coordinator"],
+        num_processes=spec["processes"],
+        process_id=spec["process_id"],
+        initialization_timeout=limit,
+        heartbeat_timeout_seconds=min(limit, 30),
+        shutdown_timeout_seconds=min(limit, 30),
+    )
+    report: dict = {}
+    try:
+        fn = _load(spec["target"])
+        report["returned"] = _json(fn(*spec["args"]))
+    except BaseException as e:  # noqa: BLE001 -- reported to the launching process
+        kind = type(e)
+        report["error"] = f"{kind.__module__}.{kind.__qualname__}"
+        report["message"] = str(e)
+        traceback.print_exc()
+    with open(spec["result"], "w") as f:
+        json.dump(report, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    jax.distributed.shutdown()
+    return 1 if "error" in report else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(json.loads(sys.argv[1])))
