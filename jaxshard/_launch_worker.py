@@ -5,7 +5,9 @@ what happened to the result file."""
 import importlib
 import importlib.util
 import json
+import os
 import sys
+import threading
 import traceback
 
 
@@ -57,11 +59,19 @@ def main(spec: dict) -> int:
         traceback.print_exc()
     with open(spec["result"], "w") as f:
         json.dump(report, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    jax.distributed.shutdown()
+    # Leave together if the others got here too; if they did not (say, they wait in
+    # a collective this process never joined), leave anyway, soon.
+    done = threading.Thread(target=jax.distributed.shutdown, daemon=True)
+    done.start()
+    done.join(timeout=_SHUTDOWN_WAIT)
     return 1 if "error" in report else 0
 
 
+_SHUTDOWN_WAIT = 10.0  # seconds
+
+
 if __name__ == "__main__":
-    sys.exit(main(json.loads(sys.argv[1])))
+    code = main(json.loads(sys.argv[1]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # not through atexit, where JAX would wait for the others again

@@ -182,3 +182,15 @@ def eager_value_violation() -> None:
     with jax.set_mesh(m):
         x = global_array(m, P("dp", None), bad=99.0)
         jaxshard.check(x < 50, "x is {v}", v=x)
+
+
+def hang() -> None:
+    """Process 1 raises; process 0 then waits forever in a collective."""
+    if jax.process_index() == 1:
+        raise RuntimeError("process 1 stops here")
+    m = mesh("Auto")
+    jax.block_until_ready(jax.jit(jnp.sum)(global_array(m, P("dp", None))))
+
+
+def describe(x: int) -> dict:
+    return {"processes": jax.process_count(), "devices": jax.device_count(), "x": x}
