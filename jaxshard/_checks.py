@@ -372,10 +372,11 @@ _FOLD_EVERY = 16
 
 
 class Findings:
-    """What one compiled call found: its frame's flag and the state of each group of
-    sites. A pytree whose structure holds the frame, so the jit cache gives it back."""
+    """What one compiled call found: its frame's flag and its sites' states (packed
+    in one array; a `jaxshard.shard_map` body returns them a group at a time). A
+    pytree whose structure holds the frame, so the jit cache gives it back."""
 
-    def __init__(self, frame: "Frame", flag: Any, states: tuple, next_call: Any):
+    def __init__(self, frame: "Frame", flag: Any, states: Any, next_call: Any):
         self.frame, self.flag, self.states = frame, flag, states
         self.next_call = next_call  # the index of the next call, on the device
 
@@ -398,7 +399,7 @@ def _compiled(fn: Callable) -> Callable | None:
         frame = Frame(call)
         with _config.overriding(check_scope=frame):
             out = fn(*args, **kwargs)
-        findings = Findings(frame, frame.flag[...], tuple(frame.contents()), call + 1)
+        findings = Findings(frame, frame.flag[...], frame.packed(), call + 1)
         return out, findings
 
     shift = lambda numbers: tuple(i + 1 for i in numbers)  # noqa: E731
@@ -412,17 +413,14 @@ def _compiled(fn: Callable) -> Callable | None:
 
 
 @jax.jit
-def _fold_calls(calls: tuple) -> tuple:
-    """The states of several calls of one program, merged: per site, the counts
-    summed and the first failure from the earliest call that failed."""
-    merged = []
-    for group in zip(*calls):
-        stacked = jnp.stack(group)
-        counts = stacked[:, :, COUNT]
-        first = jnp.argmax(counts > 0, axis=0)
-        picked = jnp.take_along_axis(stacked, first[None, :, None], axis=0)[0]
-        merged.append(picked.at[:, COUNT].set(jnp.sum(counts, axis=0)))
-    return tuple(merged)
+def _fold_calls(calls: tuple) -> Any:
+    """The packed states of several calls of one program, merged: per site, the
+    counts summed and the first failure from the earliest call that failed."""
+    stacked = jnp.stack(calls)
+    counts = stacked[:, :, COUNT]
+    first = jnp.argmax(counts > 0, axis=0)
+    picked = jnp.take_along_axis(stacked, first[None, :, None], axis=0)[0]
+    return picked.at[:, COUNT].set(jnp.sum(counts, axis=0))
 
 
 _generation = [0]  # bumped when deferred counting restarts: call indices start at 0
@@ -697,15 +695,25 @@ class Frame:
         """The state of each group of sites, read at the end of the trace."""
         return [sites[0].state.ref[...] for sites in self.groups]
 
-    def failures(self, states: list, deferred: bool) -> list[Failure]:
-        """The failures in `states` (what `contents` became), in program order."""
-        failures = []
-        for sites, state in zip(self.groups, states):
-            state = np.asarray(state)
-            for site in sites:
-                if state[site.row, COUNT] > 0:
-                    failures.append(site.failure(state[site.row], deferred))
-        return failures
+    def packed(self) -> Any:
+        """Every site's state as one int32[sites, columns] array, a row per site (in
+        program order) padded to the widest: one output of the program."""
+        contents = self.contents()
+        width = max((c.shape[1] for c in contents), default=STATE_SIZE)
+        return jnp.concatenate(
+            [jnp.zeros((0, width), jnp.int32)]
+            + [jnp.pad(c, ((0, 0), (0, width - c.shape[1]))) for c in contents]
+        )
+
+    def failures(self, packed: Any, deferred: bool) -> list[Failure]:
+        """The failures in `packed` (what `packed()` became), in program order."""
+        packed = np.asarray(packed)
+        sites = [site for group in self.groups for site in group]
+        return [
+            site.failure(row, deferred)
+            for site, row in zip(sites, packed)
+            if row[COUNT] > 0
+        ]
 
 
 class ShardMapFrame(Frame):
