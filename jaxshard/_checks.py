@@ -226,9 +226,10 @@ def _check_message(message: Any, values: dict[str, Any]) -> None:
 
 
 class Scope:
-    """The flags of one `checked` function: its sites and, for each placement of its
-    state (the devices its programs run on), a flag raised by any of its checks and a
-    call counter."""
+    """The flags of one `checked` function. For a jitted function, the findings its
+    calls returned (see `_compiled`). For any other, its sites and, for each
+    placement of their state (the devices its programs run on), a flag raised by any
+    of its checks and a call counter, in Refs that live between calls."""
 
     def __init__(self, name: str):
         self.name = name
@@ -241,7 +242,7 @@ class Scope:
         # Compiled calls: what each returned, not yet folded, and the folded state of
         # each of their frames (one per trace).
         self._pending: list["Findings"] = []
-        self._folded: dict["Frame", tuple] = {}
+        self._folded: dict["Frame", Any] = {}
         self._counters: dict[Any, tuple[int, Any]] = {}
 
     def next_call(self) -> int:
