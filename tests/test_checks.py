@@ -470,6 +470,13 @@ def test_shard_map_combines_devices(explicit_mesh):
     assert found.message == "big 50.0" and found.count == 14
     assert found.device == {"dp": 3, "tp": 0} and found.element == (0, 2)
     f(x - 64)
+    # Called eagerly (no jit around it), the shard_map is compiled; every call
+    # reports, the first that traces it and those that reuse the program.
+    eager = jaxshard.checked(jaxshard.shard_map(local, mesh=explicit_mesh))
+    eager(x - 64)
+    for _ in range(2):
+        (found,) = failures(eager, x)
+        assert found.message == "big 50.0" and found.device == {"dp": 3, "tp": 0}
 
 
 def test_check_inside_raw_shard_map_falls_back(explicit_mesh):
