@@ -38,14 +38,13 @@ from ._array_types import (
     UInt32 as UInt32,
     UInt64 as UInt64,
 )
+from ._check_records import CheckError as CheckError, Failure as Failure
 from ._checks import (
     check as check,
     check_finite as check_finite,
     check_range as check_range,
     checked as checked,
-    CheckError as CheckError,
     deferred_checks as deferred_checks,
-    Failure as Failure,
     flush_checks as flush_checks,
 )
 from ._config import config as config

@@ -1,196 +1,43 @@
-"""Value contracts inside compiled code: `check`, `checked`, `CheckError`.
+"""Value contracts inside compiled code: `check`, `checked`, the modes, and the
+ready-made checks.
 
 A check inside a `checked` call is an error flag: it computes its predicate, and
 writes what it found (how many elements failed, where the first one is, the values
-there) into a small `jax.Ref` of its own, on the device, in the same program. Nothing
-waits for the device: in "raise" mode the `checked` wrapper reads one flag after each
-call; in "deferred" mode nothing is read until `flush_checks()`. See
-`_jax_internals.accumulate` for how the writes leave jit, scan, vmap and autodiff.
+there) into a small `jax.Ref`, on the device, in the same program. Nothing waits for
+the device: in "raise" mode the `checked` wrapper reads one flag after each call; in
+"deferred" mode nothing is read until `flush_checks()`. Where the Refs live, and who
+reads them, is in `_check_records`.
 """
 
-import contextlib
-import dataclasses
 import functools as ft
 import os
 import string
 import sys
-import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AxisType
 
 from . import _config
-from ._check_state import (
-    _decode,
-    _encode,
-    _INITIAL,
-    _merge,
-    _on,
-    _reduce,
-    _statistics,
-    _words,
-    BATCH,
-    BATCH_DEPTH,
-    CALL,
-    COUNT,
-    DEVICE,
-    ELEMENT,
-    EVALS,
-    ITERATION,
-    State,
-    STATE_SIZE,
+from ._check_records import (
+    _compiled,
+    _fallback,
+    _format,
+    _frames,
+    _generation,
+    _record,
+    CheckError,
+    Failure,
+    Frame,
+    Scope,
+    Site,
 )
-from ._jax_internals import (
-    accumulate,
-    context_mesh,
-    current_trace,
-    in_trace,
-    jit_parameters,
-    new_ref_in,
-    new_ref_outside_traces,
-    ref_contents,
-    set_ref_contents,
-)
-
-
-class CheckError(Exception):
-    """One or more value checks failed.
-
-    The message lists every failed check in program order. `failures` holds them as
-    `Failure`s, each with `.message`, `.filename`, `.lineno` and `.count`.
-    """
-
-    def __init__(self, failures: list["Failure"], *, when: str = ""):
-        self.failures = failures
-        count = len(failures)
-        head = f"{count} check{'s' if count > 1 else ''} failed{when}:"
-        super().__init__("\n".join([head, *(f"- {f}" for f in failures)]))
-
-
-CheckError.__module__ = "jaxshard"
-
-
-@dataclasses.dataclass(frozen=True)
-class Failure:
-    """A failed check.
-
-    **Attributes:**
-
-    - `message`: the check's message, formatted with the values of the first failing
-        element.
-    - `filename`, `lineno`: where `jaxshard.check` was called.
-    - `count`: how many elements failed (summed over every evaluation: all vmap
-        batch elements, loop iterations and calls since the flags were last read).
-    - `size`: how many elements the predicate has, per evaluation.
-    - `element`: the index of the first failing element in the predicate, or `None`
-        for a scalar predicate.
-    - `batch_index`: the `vmap` batch indices of the first failure, outermost first,
-        or `None` outside vmap.
-    - `iteration`: how many times the check had run in its call before it first
-        failed (the scan or loop iteration), or `None` if it runs once per call.
-    - `device`: `{mesh axis: index}` of the first failing device inside `shard_map`,
-        or `None`.
-    - `call`: in deferred mode, the index of the call where the check first failed,
-        counted from 0 at the start of `deferred_checks()` or the last flush.
-    - `values`: the values the message was formatted with.
-    """
-
-    message: str
-    filename: str
-    lineno: int
-    count: int
-    size: int = 1
-    element: tuple[int, ...] | None = None
-    batch_index: tuple[int, ...] | None = None
-    iteration: int | None = None
-    device: dict[str, int] | None = None
-    call: int | None = None
-    values: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def __str__(self):
-        where = []
-        if self.size > 1 or self.count > 1:
-            where.append(f"{self.count} element{'s' if self.count != 1 else ''} failed")
-        if self.element is not None:
-            where.append(f"first at element {list(self.element)}")
-        if self.batch_index is not None:
-            where.append(f"vmap batch index {list(self.batch_index)}")
-        if self.iteration is not None:
-            where.append(f"iteration {self.iteration}")
-        if self.device is not None:
-            where.append(
-                "device " + ", ".join(f"{a}={i}" for a, i in self.device.items())
-            )
-        if self.call is not None:
-            where.append(f"call {self.call}")
-        place = f" [{'; '.join(where)}]" if where else ""
-        return f"{self.message} ({self.filename}:{self.lineno}){place}"
-
-
-# --- sites ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(eq=False)
-class Site:
-    """One `check` call in one trace, and its state on the device."""
-
-    message: str
-    filename: str
-    lineno: int
-    names: tuple[str, ...]
-    shape: tuple[int, ...]  # of the predicate, per evaluation
-    device_axes: tuple[tuple[str, int], ...]  # manual axes, inside shard_map
-    order: int
-    dtypes: tuple = ()  # of the values
-    state: "State | None" = None  # shared with the other sites of its `check` call
-    row: int = 0  # in the state
-
-    @property
-    def words(self) -> int:
-        return sum(_words(d) for d in self.dtypes)
-
-    def failure(self, state: np.ndarray, deferred: bool) -> Failure:
-        """The failure recorded in `state`, this site's row of its state."""
-        values = _decode(self.dtypes, state[STATE_SIZE:])
-        values_at = dict(zip(self.names, (v.item() for v in values)))
-        size = int(np.prod(self.shape))
-        element = None
-        if self.shape and state[ELEMENT] >= 0:
-            element = tuple(
-                int(i) for i in np.unravel_index(state[ELEMENT], self.shape)
-            )
-        batch = tuple(int(b) for b in state[BATCH:STATE_SIZE] if b >= 0) or None
-        device = None
-        if self.device_axes and state[DEVICE] >= 0:
-            sizes = [n for _, n in self.device_axes]
-            index = np.unravel_index(state[DEVICE], sizes)
-            device = {a: int(i) for (a, _), i in zip(self.device_axes, index)}
-        iteration = int(state[ITERATION]) if state[EVALS] > 1 else None
-        return Failure(
-            message=_format(self.message, values_at),
-            filename=self.filename,
-            lineno=self.lineno,
-            count=int(state[COUNT]),
-            size=size,
-            element=element,
-            batch_index=batch,
-            iteration=iteration,
-            device=device,
-            call=int(state[CALL]) if deferred else None,
-            values=values_at,
-        )
-
-
-def _format(message: str, values: dict[str, Any]) -> str:
-    try:
-        return message.format(**values)
-    except (KeyError, IndexError, ValueError):
-        return message
+from ._check_state import _encode, _INITIAL, _statistics, COUNT, ELEMENT
+from ._jax_internals import in_trace
 
 
 def _caller() -> tuple[str, int]:
@@ -222,209 +69,6 @@ def _check_message(message: Any, values: dict[str, Any]) -> None:
         )
 
 
-# --- scopes: who reads the flags ------------------------------------------------------
-
-
-class Scope:
-    """The flags of one `checked` function. For a jitted function, the findings its
-    calls returned (see `_compiled`). For any other, its sites and, for each
-    placement of their state (the devices its programs run on), a flag raised by any
-    of its checks and a call counter, in Refs that live between calls."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.sites: list[Site] = []
-        self.placement: Any = None  # where this call's programs run
-        self._refs: dict[Any, tuple[Any, Any]] = {}
-        self._generation = -1
-        self._call = -1
-        self._lock = threading.Lock()
-        # Compiled calls: what each returned, not yet folded, and the folded state of
-        # each of their frames (one per trace).
-        self._pending: list["Findings"] = []
-        self._folded: dict["Frame", Any] = {}
-        self._counters: dict[Any, tuple[int, Any]] = {}
-
-    def next_call(self) -> int:
-        if self._generation != _generation[0]:
-            self._generation = _generation[0]
-            self._call = -1
-        self._call += 1
-        return self._call
-
-    def run_compiled(self, compiled: Callable, mode: str, args, kwargs) -> Any:
-        """Calls `compiled` (see `_compiled`) and keeps or reads what it found."""
-        call = self.next_call()
-        # The call index: the previous call's, plus one, computed on the device (a
-        # transfer from the host would cost more than the rest of the wrapper).
-        placement = _placement(args, kwargs)
-        counted, counter = self._counters.get(placement, (None, None))
-        if counted != call:
-            counter = call if placement is None else jax.device_put(call, placement)
-        out, findings = compiled(counter, *args, **kwargs)
-        if placement is not None:
-            self._counters[placement] = (call + 1, findings.next_call)
-        if mode == "raise":
-            if bool(findings.flag):  # the call's one wait for the device
-                failures = findings.frame.failures(findings.states, deferred=False)
-                raise CheckError(failures, when=f" in {self.name}")
-            return out
-        self._pending.append(findings)
-        if len(self._pending) == _FOLD_EVERY:
-            self._fold()
-        return out
-
-    def _fold(self) -> None:
-        """Merges the pending calls' findings, on the device, into one state per
-        frame: a small program every few calls rather than a read per call."""
-        by_frame: dict["Frame", list] = {}
-        for findings in self._pending:
-            by_frame.setdefault(findings.frame, []).append(findings.states)
-        self._pending = []
-        for frame, calls in by_frame.items():
-            if frame in self._folded:
-                calls = [self._folded[frame], *calls]
-            self._folded[frame] = (
-                _fold_calls(tuple(calls)) if len(calls) > 1 else calls[0]
-            )
-
-    def refs(self) -> tuple[Any, Any]:
-        """The flag and call counter for the current placement."""
-        if self.placement not in self._refs:
-            self._refs[self.placement] = (
-                new_ref_outside_traces(np.zeros((), bool), self.placement),
-                new_ref_outside_traces(np.zeros((), np.int32), self.placement),
-            )
-        return self._refs[self.placement]
-
-    def begin_call(self, args: tuple, kwargs: dict) -> None:
-        self.placement = _placement(args, kwargs)
-        _, calls = self.refs()
-        # The call index goes to the device as a transfer, not as an operation: a
-        # `checked` call then costs one host-to-device copy before the program.
-        call = np.int32(self.next_call())
-        set_ref_contents(calls, jax.device_put(call, self.placement))
-
-    def add(self, sites: list[Site]) -> State:
-        """Gives `sites` (those of one `check` call) their state, placed where this
-        call's programs run."""
-        make = ft.partial(new_ref_outside_traces, sharding=self.placement)
-        state = State.new([s.words for s in sites], self.placement, make)
-        with self._lock:
-            for row, site in enumerate(sites):
-                site.state, site.row, site.order = state, row, len(self.sites)
-                self.sites.append(site)
-        return state
-
-    def take_failures(self, deferred: bool) -> list[Failure]:
-        """The failures recorded so far, in program order; clears them."""
-        self._fold()
-        failures = []
-        for frame, states in self._folded.items():
-            failures += frame.failures(states, deferred)
-        self._folded = {}
-        return failures + self._take_ref_failures(deferred)
-
-    def _take_ref_failures(self, deferred: bool) -> list[Failure]:
-        raised = []
-        for placement, (flag, _) in self._refs.items():
-            if bool(ref_contents(flag)):  # the call's one wait for the device
-                raised.append(placement)
-                with _on(placement):
-                    flag[...] = jnp.zeros((), bool)
-        failures, read = [], {}
-        for site in self.sites if raised else ():
-            state = site.state
-            if state.placement not in raised:
-                continue
-            if id(state) not in read:
-                read[id(state)] = state.read()
-            found = read[id(state)]
-            if found is not None and found[site.row, COUNT] > 0:
-                failures.append(site.failure(found[site.row], deferred))
-        return failures
-
-
-def _placement(args: tuple, kwargs: dict) -> Any:
-    """Where the programs of a call run, so that the check state lives there too (a
-    program's arguments, the state among them, must share its devices): the mesh in
-    context, else that of the first array spread over several devices, else the
-    default device."""
-    mesh = context_mesh()
-    if mesh is not None:
-        return NamedSharding(mesh, PartitionSpec())
-    for leaf in jax.tree.leaves((args, kwargs)):
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and len(sharding.device_set) > 1:
-            return NamedSharding(sharding.mesh, PartitionSpec())
-    return None
-
-
-# --- compiled calls -------------------------------------------------------------------
-#
-# `checked(jax.jit(f))` runs as `jax.jit(run)`, where `run` calls the jitted `f` with
-# its checks writing to Refs made inside the trace (a `Frame`), and returns their
-# contents with `f`'s outputs. The program then has no Refs among its inputs, so JAX
-# dispatches it through its C++ fast path, and nothing waits for the device: in
-# "deferred" mode the findings of each call are merged on the device every few calls.
-
-
-_FOLD_EVERY = 16
-
-
-class Findings:
-    """What one compiled call found: its frame's flag and its sites' states (packed
-    in one array; a `jaxshard.shard_map` body returns them a group at a time). A
-    pytree whose structure holds the frame, so the jit cache gives it back."""
-
-    def __init__(self, frame: "Frame", flag: Any, states: Any, next_call: Any):
-        self.frame, self.flag, self.states = frame, flag, states
-        self.next_call = next_call  # the index of the next call, on the device
-
-
-jax.tree_util.register_pytree_node(
-    Findings,
-    lambda f: ((f.flag, f.states, f.next_call), f.frame),
-    lambda frame, children: Findings(frame, *children),
-)
-
-
-def _compiled(fn: Callable) -> Callable | None:
-    """`fn` as a program that also returns its checks' findings, if `fn` is a
-    `jax.jit` function (with the same static and donated arguments); else `None`."""
-    params = jit_parameters(fn)
-    if params is None:
-        return None
-
-    def run(call, *args, **kwargs):
-        frame = Frame(call)
-        with _config.overriding(check_scope=frame):
-            out = fn(*args, **kwargs)
-        findings = Findings(frame, frame.flag[...], frame.packed(), call + 1)
-        return out, findings
-
-    shift = lambda numbers: tuple(i + 1 for i in numbers)  # noqa: E731
-    return jax.jit(
-        run,
-        static_argnums=shift(params["static_argnums"]),
-        static_argnames=params["static_argnames"],
-        donate_argnums=shift(params["donate_argnums"]),
-        donate_argnames=params["donate_argnames"],
-    )
-
-
-@jax.jit
-def _fold_calls(calls: tuple) -> Any:
-    """The packed states of several calls of one program, merged: per site, the
-    counts summed and the first failure from the earliest call that failed."""
-    stacked = jnp.stack(calls)
-    counts = stacked[:, :, COUNT]
-    first = jnp.argmax(counts > 0, axis=0)
-    picked = jnp.take_along_axis(stacked, first[None, :, None], axis=0)[0]
-    return picked.at[:, COUNT].set(jnp.sum(counts, axis=0))
-
-
-_generation = [0]  # bumped when deferred counting restarts: call indices start at 0
 _deferred_scopes: "weakref.WeakSet[Scope]" = weakref.WeakSet()
 
 
@@ -637,127 +281,6 @@ def _check_many(entries: list[tuple], filename: str, lineno: int) -> None:
         _record(scope, sites, rows)
 
 
-def _record(scope: Scope, sites: list[Site], rows: list[tuple]) -> None:
-    """Adds `sites` to `scope` and accumulates one evaluation into their state: for
-    each, `(count, element, device, iteration, value words)`."""
-    flag, calls = scope.refs()
-    _accumulate(scope.add(sites), flag, calls[...], rows)
-
-
-def _accumulate(state: State, flag: Any, call: Any, rows: list[tuple]) -> None:
-    count, element, device, iteration = (
-        jnp.stack([jnp.asarray(row[i], jnp.int32) for row in rows]) for i in range(4)
-    )
-    width = max(len(row[4]) for row in rows)
-    words = jnp.stack(
-        [
-            jnp.stack([*row[4], *[jnp.int32(0)] * (width - len(row[4]))])
-            if width
-            else jnp.zeros((0,), jnp.int32)
-            for row in rows
-        ]
-    )
-    batch = jnp.full((len(rows), BATCH_DEPTH), -1, jnp.int32)
-    accumulate(
-        (flag, state.ref),
-        (count, element, batch, device, call, iteration, words),
-        _merge,
-        _reduce,
-    )
-
-
-class _Frames(threading.local):
-    def __init__(self):
-        self.stack: list["ShardMapFrame"] = []
-
-
-_frames = _Frames()
-
-
-class Frame:
-    """Checks whose state lives in one trace: Refs made in it, whose contents the
-    traced function returns. See `ShardMapFrame` and `_compiled`."""
-
-    def __init__(self, call: Any = None):
-        self.trace = current_trace()
-        self.flag = new_ref_in(self.trace, np.zeros((), bool))
-        self.call = jnp.zeros((), jnp.int32) if call is None else call
-        self.groups: list[list[Site]] = []
-
-    def add(self, sites: list[Site], rows: list[tuple]) -> None:
-        make = ft.partial(new_ref_in, self.trace)
-        state = State.new([s.words for s in sites], None, make)
-        for row, site in enumerate(sites):
-            site.state, site.row = state, row
-        self.groups.append(sites)
-        _accumulate(state, self.flag, self.call, rows)
-
-    def contents(self) -> list:
-        """The state of each group of sites, read at the end of the trace."""
-        return [sites[0].state.ref[...] for sites in self.groups]
-
-    def packed(self) -> Any:
-        """Every site's state as one int32[sites, columns] array, a row per site (in
-        program order) padded to the widest: one output of the program."""
-        contents = self.contents()
-        width = max((c.shape[1] for c in contents), default=STATE_SIZE)
-        return jnp.concatenate(
-            [jnp.zeros((0, width), jnp.int32)]
-            + [jnp.pad(c, ((0, 0), (0, width - c.shape[1]))) for c in contents]
-        )
-
-    def failures(self, packed: Any, deferred: bool) -> list[Failure]:
-        """The failures in `packed` (what `packed()` became), in program order."""
-        packed = np.asarray(packed)
-        sites = [site for group in self.groups for site in group]
-        return [
-            site.failure(row, deferred)
-            for site, row in zip(sites, packed)
-            if row[COUNT] > 0
-        ]
-
-
-class ShardMapFrame(Frame):
-    """The checks inside one `jaxshard.shard_map` body. JAX cannot close a shard_map
-    body over Refs from outside it, so the checks write to Refs made in the body, and
-    the body returns their contents (the same on every device), which are then
-    recorded outside as if the check had been made there."""
-
-    def forward(self, contents: list) -> None:
-        """Records, outside the shard_map, what its body found."""
-        scope = _config.current().check_scope
-        for sites, state in zip(self.groups, contents):
-            outer = [dataclasses.replace(site, state=None) for site in sites]
-            rows = [
-                (
-                    state[i, COUNT],
-                    state[i, ELEMENT],
-                    state[i, DEVICE],
-                    jnp.where(state[i, EVALS] > 1, state[i, ITERATION], -1),
-                    [state[i, STATE_SIZE + w] for w in range(site.words)],
-                )
-                for i, site in enumerate(sites)
-            ]
-            if scope is None:
-                for site, row in zip(outer, rows):
-                    _fallback(site, row)
-            elif isinstance(scope, Frame):
-                scope.add(outer, rows)
-            else:
-                _record(scope, outer, rows)
-
-
-@contextlib.contextmanager
-def shard_map_checks() -> Iterator[ShardMapFrame]:
-    """Inside a `jaxshard.shard_map` body: collects its checks (see `ShardMapFrame`)."""
-    frame = ShardMapFrame()
-    _frames.stack.append(frame)
-    try:
-        yield frame
-    finally:
-        _frames.stack.pop()
-
-
 def _check_now(pred, msg, values, filename, lineno) -> None:
     ok = np.asarray(pred)
     if ok.dtype != np.bool_:
@@ -855,35 +378,6 @@ def _broadcast(name: str, value: Any, pred) -> Any:
         if jax.typeof(value).sharding.spec != sharding.spec:
             value = jax.sharding.reshard(value, sharding)
     return value
-
-
-# --- checks no `checked` call owns ----------------------------------------------------
-
-
-def _fallback(site: Site, row: tuple) -> None:
-    count, element, device, _, words = row
-    jax.debug.callback(
-        ft.partial(_raise_from_callback, site), count, element, device, *words
-    )
-
-
-def _raise_from_callback(site: Site, count, element, device, *words) -> None:
-    count = np.asarray(count)
-    if not count.any():
-        return
-    # Under vmap the callback sees the batch: report its first failing element.
-    flat = np.flatnonzero(count.ravel() > 0)[0]
-    batch = tuple(int(i) for i in np.unravel_index(flat, count.shape)) or None
-    state = _INITIAL.copy()
-    state[COUNT] = count.sum()
-    state[ELEMENT] = np.asarray(element).ravel()[flat]
-    state[DEVICE] = np.asarray(device).ravel()[flat]
-    words = [np.asarray(w).ravel()[flat] for w in words]
-    state = np.concatenate([state, np.asarray(words, np.int32)])
-    failure = site.failure(state, deferred=False)
-    if batch is not None:
-        failure = dataclasses.replace(failure, batch_index=batch)
-    raise CheckError([failure], when=" (in a host callback: no jaxshard.checked call)")
 
 
 # --- ready-made checks ----------------------------------------------------------------

@@ -349,7 +349,7 @@ def shard_map(fn: Callable | None = None, mesh: Any = None, **kwargs) -> Callabl
                     "replicated value) or pass `out_specs=`."
                 )
             kwargs["out_specs"] = out
-    from ._checks import Findings, shard_map_checks
+    from ._check_records import Findings, shard_map_checks
     from ._verify import checked_by_jaxshard
 
     body = checked_by_jaxshard(fn)
