@@ -366,12 +366,11 @@ def _compiled(fn: Callable) -> Callable | None:
         findings = Findings(frame, frame.flag[...], frame.packed(), call + 1)
         return out, findings
 
-    shift = lambda numbers: tuple(i + 1 for i in numbers)  # noqa: E731
     return jax.jit(
-        run,
-        static_argnums=shift(params["static_argnums"]),
+        run,  # `call` comes first: the other positions move by one
+        static_argnums=tuple(i + 1 for i in params["static_argnums"]),
         static_argnames=params["static_argnames"],
-        donate_argnums=shift(params["donate_argnums"]),
+        donate_argnums=tuple(i + 1 for i in params["donate_argnums"]),
         donate_argnames=params["donate_argnames"],
     )
 
