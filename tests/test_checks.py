@@ -494,6 +494,11 @@ def test_check_inside_raw_shard_map_falls_back(explicit_mesh):
     # JAX keeps a callback's error in its runtime token until the next barrier.
     with pytest.raises(Exception, match="raw"):
         jax.effects_barrier()
+    # ...and after it too (it clears the tokens only when none raised): clear them
+    # here, or every later barrier, and the interpreter's exit, raise it again.
+    from jax._src import dispatch
+
+    dispatch.runtime_tokens.clear()
 
 
 # --- ready-made checks ----------------------------------------------------------------
