@@ -36,20 +36,9 @@ def _json(value):
 def main(spec: dict) -> int:
     import jax
 
-    jax.config.update("jax_num_cpu_devices", spec["devices"])
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    # Short heartbeats and shutdown: a process whose peers died stops soon after.
-    limit = max(1, int(spec["timeout"]))
-    jax.distributed.initialize(
-        coordinator_address=spec["coordinator"],
-        num_processes=spec["processes"],
-        process_id=spec["process_id"],
-        initialization_timeout=limit,
-        heartbeat_timeout_seconds=min(limit, 30),
-        shutdown_timeout_seconds=min(limit, 30),
-    )
     report: dict = {}
     try:
+        _join(jax, spec)
         fn = _load(spec["target"])
         report["returned"] = _json(fn(*spec["args"]))
     except BaseException as e:  # noqa: BLE001 -- reported to the launching process
@@ -65,6 +54,22 @@ def main(spec: dict) -> int:
     done.start()
     done.join(timeout=_SHUTDOWN_WAIT)
     return 1 if "error" in report else 0
+
+
+def _join(jax, spec: dict) -> None:
+    """This process's CPU devices, and the others' through the coordinator."""
+    jax.config.update("jax_num_cpu_devices", spec["devices"])
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Short heartbeats and shutdown: a process whose peers died stops soon after.
+    limit = max(1, int(spec["timeout"]))
+    jax.distributed.initialize(
+        coordinator_address=spec["coordinator"],
+        num_processes=spec["processes"],
+        process_id=spec["process_id"],
+        initialization_timeout=limit,
+        heartbeat_timeout_seconds=min(limit, 30),
+        shutdown_timeout_seconds=min(limit, 30),
+    )
 
 
 _SHUTDOWN_WAIT = 10.0  # seconds
