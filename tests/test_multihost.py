@@ -122,7 +122,7 @@ def test_launch_takes_a_file_path_and_arguments():
 
 
 def test_an_unknown_target_is_every_processs_error():
-    outcomes = launch("multihost:no_such_function", 2, timeout=60)
+    outcomes = launch("no_such_function", 2, timeout=60)
     assert [o.error for o in outcomes] == ["builtins.AttributeError"] * 2
     assert all(not o.timed_out and "no_such_function" in o.message for o in outcomes)
 
