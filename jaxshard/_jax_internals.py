@@ -296,7 +296,8 @@ def accumulate(refs: tuple, stats: tuple, merge: Callable, reduce: Callable) -> 
 
 def jit_parameters(fn: Any) -> dict[str, tuple] | None:
     """The static and donated arguments of a `jax.jit` function, or `None` if `fn`
-    is not one. Read from jit's own record of its parameters (`_jit_info`)."""
+    is not one. Read from jit's own record of its parameters (`_jit_info`), which
+    has no public equivalent; checked against jax 0.10.2."""
     info = getattr(fn, "_jit_info", None)
     if info is None or not callable(getattr(fn, "trace", None)):
         return None

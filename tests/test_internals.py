@@ -169,3 +169,20 @@ def test_ref_contents():
     np.testing.assert_array_equal(ref[...], [0.0, 1.0, 2.0])
     ref[...] = jnp.ones(3)
     np.testing.assert_array_equal(ref_contents(ref), [1.0, 1.0, 1.0])
+
+
+def test_jit_parameters():
+    import functools as ft
+
+    @ft.partial(jax.jit, static_argnums=1, donate_argnames="x")
+    def f(x, n, *, scale=1.0):
+        return x * n * scale
+
+    assert internals.jit_parameters(f) == {
+        "static_argnums": (1,),
+        "static_argnames": ("n",),
+        "donate_argnums": (0,),
+        "donate_argnames": ("x",),
+    }
+    assert internals.jit_parameters(f.__wrapped__) is None
+    assert internals.jit_parameters(lambda x: x) is None
