@@ -86,7 +86,7 @@ def launch(
     !!! Example
 
         ```python
-        outcomes = jaxshard.launch("tests.multihost:train_step", processes=4)
+        outcomes = jaxshard.launch("my_tests.pod:train_step", processes=4)
         assert all(o.ok for o in outcomes), outcomes
         ```
     """
