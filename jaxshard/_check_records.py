@@ -245,11 +245,15 @@ class Scope:
             by_frame.setdefault(findings.frame, []).append(findings.states)
         self._pending = []
         for frame, calls in by_frame.items():
-            if frame in self._folded:
-                calls = [self._folded[frame], *calls]
-            self._folded[frame] = (
-                _fold_calls(tuple(calls)) if len(calls) > 1 else calls[0]
-            )
+            # Always 1 + _FOLD_EVERY states, so that the merging program compiles
+            # once: the merged state so far (if any), the calls, then padding.
+            folded = self._folded.get(frame)
+            states = [calls[0] if folded is None else folded, *calls]
+            valid = [folded is not None] + [True] * len(calls)
+            padding = _FOLD_EVERY + 1 - len(states)
+            states += [calls[0]] * padding
+            valid += [False] * padding
+            self._folded[frame] = _fold_calls(tuple(states), np.array(valid))
 
     def refs(self) -> tuple[Any, Any]:
         """The flag and call counter for the current placement."""
@@ -376,11 +380,12 @@ def _compiled(fn: Callable) -> Callable | None:
 
 
 @jax.jit
-def _fold_calls(calls: tuple) -> Any:
-    """The packed states of several calls of one program, merged: per site, the
-    counts summed and the first failure from the earliest call that failed."""
+def _fold_calls(calls: tuple, valid: Any) -> Any:
+    """The packed states of several calls of one program (those where `valid`),
+    merged: per site, the counts summed and the first failure from the earliest call
+    that failed."""
     stacked = jnp.stack(calls)
-    counts = stacked[:, :, COUNT]
+    counts = jnp.where(valid[:, None], stacked[:, :, COUNT], 0)
     first = jnp.argmax(counts > 0, axis=0)
     picked = jnp.take_along_axis(stacked, first[None, :, None], axis=0)[0]
     return picked.at[:, COUNT].set(jnp.sum(counts, axis=0))
