@@ -1,6 +1,11 @@
 """The one place that knows how to run things: `nox -s tests`, `demo`, `examples`,
 `bench`, `docs`, `lint`."""
 
+import os
+import re
+import shutil
+import subprocess
+
 import nox
 
 
@@ -9,38 +14,84 @@ nox.options.sessions = ["tests"]
 
 EIGHT_CPU_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
+# The tested (Python, jax) pairs: jax 0.10.2 is the newest for Python 3.11, and 0.11 and
+# later need Python 3.12 or newer. pyproject.toml states the same range.
+MATRIX = [("3.11", "0.10.2"), ("3.12", "0.11.2"), ("3.13", "0.12.0.1")]
+NEWEST = MATRIX[-1]
 
-# The jax the test session pins: the `tpu` extra's libtpu is the one `jax[tpu]` asks
-# for with it (tests/test_tpu.py checks).
-JAX = ["jax==0.10.2", "jaxlib==0.10.2"]
+
+def _pyenv_pythons() -> None:
+    """Makes pyenv's interpreters of the matrix reachable as `python3.X`.
+
+    pyenv installs each Python under its own root, on PATH only as a shim that answers
+    for the versions `PYENV_VERSION` names (its shims set it to the current version).
+    To those, add the newest install of each of the matrix's Pythons not yet named.
+    """
+    if shutil.which("pyenv") is None:
+        return
+    run = subprocess.run(
+        ["pyenv", "versions", "--bare"], capture_output=True, text=True
+    )
+    named = [v for v in os.environ.get("PYENV_VERSION", "").split(":") if v]
+    for python, _ in MATRIX:
+        pattern = rf"{re.escape(python)}\.\d+"
+        if not any(re.fullmatch(pattern, v) for v in named):
+            found = [v for v in run.stdout.split() if re.fullmatch(pattern, v)]
+            if found:
+                named.append(max(found, key=lambda v: int(v.rsplit(".", 1)[1])))
+    if named:
+        os.environ["PYENV_VERSION"] = ":".join(named)
+
+
+_pyenv_pythons()
+
+
+def _install(session, jax: str, extras: str) -> None:
+    """jaxshard with `extras`, and this jax; the `tpu` extra asks for `jax[tpu]`, so
+    pip takes the libtpu that this jax pins."""
+    session.install("-e", f".[{extras}]", f"jax=={jax}", f"jaxlib=={jax}")
 
 
 @nox.session
-def tests(session):
-    """The test suite, on 8 simulated CPU devices, with libtpu to compile for TPUs."""
-    session.install("-e", ".[test,tpu]", *JAX)
+@nox.parametrize("python,jax", MATRIX, ids=[f"{p}-jax{j}" for p, j in MATRIX])
+def tests(session, jax):
+    """The test suite on each tested (Python, jax) pair, on 8 simulated CPU devices,
+    with the libtpu of that jax to compile for TPUs.
+
+    A pair whose Python is missing is skipped, and nox's summary names it; in CI
+    (`CI` set) it is an error.
+    """
+    _install(session, jax, "test,tpu")
     session.run("pytest", *session.posargs, env={"JAX_PLATFORMS": "cpu"})
 
 
-@nox.session
+@nox.session(python=NEWEST[0])
 def demo(session):
     """A data- and tensor-parallel model whose contracts hold, then a mis-sharded
-    call."""
-    session.install("-e", ".")
+    call, on the newest tested jax."""
+    _install(session, NEWEST[1], "")
     session.run("python", "examples/demo.py", env=EIGHT_CPU_DEVICES)
 
 
-@nox.session
+@nox.session(python=NEWEST[0])
 def examples(session):
-    """A transformer block verified for TPU v5e and v5p pods, without a TPU."""
-    session.install("-e", ".[tpu]", "equinox", *JAX)
+    """A transformer block verified for TPU v5e and v5p pods, without a TPU, on the
+    newest tested jax."""
+    _install(session, NEWEST[1], "tpu")
+    session.install("equinox")
     session.run("python", "examples/transformer.py", env={"JAX_PLATFORMS": "cpu"})
 
 
 @nox.session
-def bench(session):
-    """Benchmarks: ratios measured side by side in one run."""
-    session.install("-e", ".[test,tpu]", *JAX)
+@nox.parametrize(
+    "python,jax",
+    [MATRIX[0], NEWEST],
+    ids=[f"{p}-jax{j}" for p, j in (MATRIX[0], NEWEST)],
+)
+def bench(session, jax):
+    """Benchmarks: ratios measured side by side in one run, on the oldest and the
+    newest tested jax."""
+    _install(session, jax, "test,tpu")
     session.run("python", "benchmarks/bench_core.py", *session.posargs)
     session.run("python", "benchmarks/bench_verify.py", *session.posargs)
     session.run("python", "benchmarks/bench_checks.py", *session.posargs)
@@ -57,5 +108,6 @@ def docs(session):
 def lint(session):
     session.install("ruff")
     paths = ["jaxshard", "_jaxshard_pytestplugin.py", "tests", "examples", "benchmarks"]
+    paths.append("noxfile.py")
     session.run("ruff", "check", *paths)
     session.run("ruff", "format", "--check", *paths)

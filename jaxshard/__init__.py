@@ -49,7 +49,11 @@ from ._checks import (
 )
 from ._config import config as config
 from ._decorator import jaxtyped as jaxtyped
-from ._errors import ShardingError as ShardingError
+from ._errors import (
+    ShardingError as ShardingError,
+    UntestedVersionWarning as UntestedVersionWarning,
+)
+from ._jax_internals import TESTED_JAX as TESTED_JAX
 from ._launch import launch as launch, ProcessOutcome as ProcessOutcome
 from ._signature import (
     abstract_args as abstract_args,
@@ -65,7 +69,7 @@ from ._verify import (
 )
 
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "abstract_args",
@@ -112,6 +116,7 @@ __all__ = [
     "Report",
     "Row",
     "Shaped",
+    "TESTED_JAX",
     "shard_map",
     "sharded",
     "shardings",
@@ -124,5 +129,6 @@ __all__ = [
     "UInt16",
     "UInt32",
     "UInt64",
+    "UntestedVersionWarning",
     "verify",
 ]

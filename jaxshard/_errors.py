@@ -17,3 +17,10 @@ class ShardingError(TypeCheckError):
 
 
 ShardingError.__module__ = "jaxshard"
+
+
+class UntestedVersionWarning(UserWarning):
+    """The installed jax is outside the range this jaxshard release is tested with."""
+
+
+UntestedVersionWarning.__module__ = "jaxshard"

@@ -7,14 +7,42 @@ behaviour each function relies on, so a JAX upgrade that changes it fails there 
 import sys
 import threading
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax._src.lib.mlir import ir
 from jax.extend.core import Primitive
+from jax.extend.mlir import ir
 from jax.interpreters import ad, batching, mlir, partial_eval as pe
 from jaxtyping import _decorator as _jaxtyping_decorator, _storage as _jaxtyping_storage
+
+from ._errors import UntestedVersionWarning
+
+
+# --- the jax releases this module is checked against --------------------------------
+
+# pyproject.toml states the same range (tests/test_tpu.py checks they agree).
+TESTED_JAX = ">=0.10.2,<0.13"
+
+
+def _warn_if_untested(version: tuple[int, ...]) -> None:
+    low, high = (
+        tuple(map(int, b.lstrip("<>=").split("."))) for b in TESTED_JAX.split(",")
+    )
+    if not low <= version < high:
+        warnings.warn(
+            f"jaxshard is tested with jax{TESTED_JAX} (jax 0.10.2 on Python 3.11, "
+            f"0.11.2 on 3.12, 0.12.0.1 on 3.13), but jax {jax.__version__} is "
+            "installed: some checks may fail with errors from JAX's internals. Install "
+            f"a tested jax with `pip install 'jax{TESTED_JAX}'`, or a jaxshard "
+            "release that supports this one.",
+            UntestedVersionWarning,
+            stacklevel=3,
+        )
+
+
+_warn_if_untested(jax.__version_info__)
 
 
 # --- the sharding probe -------------------------------------------------------------
@@ -51,9 +79,12 @@ def _probe_abstract_eval(aval, **params):
     return []
 
 
-def _probe_dce(used_outputs, eqn):
+# DCE rules take `(used_outputs, eqn)` up to jax 0.11.2 and `(used_outputs,
+# live_inputs, eqn)` from 0.12.0 on: the equation is always last.
+def _probe_dce(used_outputs, *rest):
     del used_outputs
-    return [True], eqn
+    eqn = rest[-1]
+    return [True] * len(eqn.invars), eqn
 
 
 def _probe_batch(args, dims, *, callback, batch_dims):
@@ -227,8 +258,9 @@ def _accumulate_impl(*args, n_refs, merge, reduce):
     return []
 
 
-def _accumulate_discharge(in_avals, out_avals, *args, n_refs, merge, reduce):
-    del in_avals, out_avals, reduce
+def _accumulate_discharge(*args, n_refs, merge, reduce):
+    del reduce
+    args = args[_DISCHARGE_CONTEXT_ARGS:]
     refs, stats = args[:n_refs], args[n_refs:]
     return tuple(merge(tuple(refs), stats)) + (None,) * len(stats), []
 
@@ -262,6 +294,10 @@ def _accumulate_jvp(primals, tangents, *, n_refs, merge, reduce):
     accumulate_p.bind(*primals, n_refs=n_refs, merge=merge, reduce=reduce)
     return [], []
 
+
+# Discharge rules get `(in_avals, out_avals, *args)` on jax 0.10.2 and
+# `(context, *args)` from 0.11.0 on.
+_DISCHARGE_CONTEXT_ARGS = 2 if jax.__version_info__ < (0, 11, 0) else 1
 
 accumulate_p = Primitive("jaxshard_check_accumulate")
 accumulate_p.multiple_results = True
@@ -350,5 +386,13 @@ def ref_contents(ref) -> Any:
 
 def set_ref_contents(ref, value) -> None:
     """Replaces the array a `jax.Ref` holds with `value` (of the same type and
-    placement), without running an operation."""
+    placement), without running an operation.
+
+    From jax 0.11.0 on a Ref's buffer is committed to its devices, and the runtime
+    refuses an uncommitted replacement: `value` is committed to the same placement
+    first (no copy when it is already there).
+    """
+    old = ref._refs._buf
+    if old.committed and not value.committed:
+        value = jax.device_put(value, old.sharding)
     ref._refs._buf = value

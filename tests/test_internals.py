@@ -12,6 +12,7 @@ import pytest
 from helpers import put
 from jax.sharding import PartitionSpec as P
 
+import jaxshard
 from jaxshard import _jax_internals as internals
 
 
@@ -186,3 +187,25 @@ def test_jit_parameters():
     }
     assert internals.jit_parameters(f.__wrapped__) is None
     assert internals.jit_parameters(lambda x: x) is None
+
+
+def test_untested_jax_warns_at_import():
+    """An untested jax gets one warning at import naming the tested range; a tested
+    one gets none (warnings are errors in this suite)."""
+    script = (
+        "import jax; jax.__version_info__ = (0, 13, 0); jax.__version__ = '0.13.0'; "
+        "import jaxshard"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "UntestedVersionWarning" in result.stderr
+    assert "jax 0.13.0 is installed" in result.stderr
+    assert "jax>=0.10.2,<0.13" in result.stderr
+    with pytest.warns(jaxshard.UntestedVersionWarning, match="0.10.1"):
+        internals._warn_if_untested((0, 10, 1))
+    internals._warn_if_untested(jax.__version_info__)

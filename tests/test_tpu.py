@@ -122,17 +122,30 @@ def test_missing_libtpu_says_how_to_install(monkeypatch):
 
 
 def test_tpu_extra_matches_jax():
-    """The `tpu` extra pins the libtpu that `jax[tpu]` asks for with this jax."""
+    """The `tpu` extra asks for `jax[tpu]` in the tested range, so pip installs the
+    libtpu that this jax's own `tpu` extra pins."""
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
 
-    def libtpu(requirements):
-        (found,) = [
-            r.split(";")[0].replace(" ", "")
-            for r in requirements
-            if r.startswith("libtpu") and re.search(r"extra == .tpu.", r)
-        ]
-        return found
+    def tpu_extra(package, name):
+        found = [Requirement(r) for r in importlib.metadata.requires(package)]
+        return [r for r in found if r.name == name and "tpu" in str(r.marker)]
 
-    ours = libtpu(importlib.metadata.requires("jaxshard"))
-    assert ours == libtpu(importlib.metadata.requires("jax"))
-    installed = importlib.metadata.version("libtpu")
-    assert re.fullmatch(ours.removeprefix("libtpu==").replace(".*", r"\..*"), installed)
+    (ours,) = tpu_extra("jaxshard", "jax")
+    assert ours.extras == {"tpu"}
+    assert ours.specifier == SpecifierSet(jaxshard.TESTED_JAX)
+    (pin,) = tpu_extra("jax", "libtpu")
+    assert importlib.metadata.version("libtpu") in pin.specifier
+
+
+def test_dependencies_state_the_tested_range():
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    found = {
+        r.name: r.specifier
+        for r in map(Requirement, importlib.metadata.requires("jaxshard"))
+        if r.marker is None
+    }
+    assert found["jax"] == found["jaxlib"] == SpecifierSet(jaxshard.TESTED_JAX)
+    assert importlib.metadata.version("jax") in found["jax"]
