@@ -15,11 +15,15 @@ from jax.sharding import PartitionSpec
 
 from . import _decorator, _sharding
 from ._errors import AnnotationError
-from ._jax_internals import in_tree_flatten, restore_dim_memo, save_dim_memo
+from ._jax_internals import (
+    ArrayMeta,
+    in_tree_flatten,
+    restore_dim_memo,
+    save_dim_memo,
+)
 from ._spec import format_spec, parse_compact, validate_spec
 
 
-_MetaAbstractArray = type(jaxtyping.AbstractArray)
 _MetaAbstractDtype = type(jaxtyping.AbstractDtype)
 _union_types = (typing.Union, type(int | str))
 
@@ -31,7 +35,7 @@ class _Shape:
         self.shape = shape
 
 
-class _MetaShardedArray(_MetaAbstractArray):
+class _MetaShardedArray(ArrayMeta):
     spec: PartitionSpec
 
     def __instancecheck_str__(cls, obj: Any) -> str:
@@ -39,7 +43,7 @@ class _MetaShardedArray(_MetaAbstractArray):
             # Checking a tracer may leave a probe in the program: only once the
             # dtype and shape are known to be right.
             snapshot = save_dim_memo()
-            reason = _MetaAbstractArray.__instancecheck_str__(cls, obj)
+            reason = ArrayMeta.__instancecheck_str__(cls, obj)
             if reason or in_tree_flatten():
                 return reason
             reason = _sharding.check(cls, obj)
@@ -48,9 +52,9 @@ class _MetaShardedArray(_MetaAbstractArray):
             # common passing case needs no snapshot of jaxtyping's dim bindings.
             reason = _sharding.check(cls, obj)
             if not reason:
-                return _MetaAbstractArray.__instancecheck_str__(cls, obj)
+                return ArrayMeta.__instancecheck_str__(cls, obj)
             snapshot = save_dim_memo()
-            plain = _MetaAbstractArray.__instancecheck_str__(cls, obj)
+            plain = ArrayMeta.__instancecheck_str__(cls, obj)
             if in_tree_flatten():
                 return plain
             if plain:
@@ -68,10 +72,10 @@ class _MetaShardedArray(_MetaAbstractArray):
         if isinstance(obj, jax.core.Tracer):
             shape = _sharding.global_shape(cls.spec, obj)
         if shape is None or shape == tuple(obj.shape):
-            return _MetaAbstractArray._check_shape(
+            return ArrayMeta._check_shape(
                 cls, obj, single_memo, variadic_memo, arg_memo
             )
-        reason = _MetaAbstractArray._check_shape(
+        reason = ArrayMeta._check_shape(
             cls, _Shape(shape), single_memo, variadic_memo, arg_memo
         )
         if reason:

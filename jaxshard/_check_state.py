@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec
 
-from ._jax_internals import ref_contents
+from ._jax_internals import ref_contents, varying_axes
 
 
 BATCH_DEPTH = 4  # vmap levels whose batch index a failure reports
@@ -277,14 +277,8 @@ def _passing(operands, values):
 
 
 def _varying_like(source, x):
-    vma = tuple(sorted(_varying(source)))
+    vma = tuple(sorted(varying_axes(source)))
     return lax.pcast(x, vma, to="varying") if vma else x
-
-
-def _varying(x) -> set[str]:
-    """The shard_map mesh axes over which `x` differs from device to device."""
-    manual_type = getattr(jax.typeof(x), "manual_axis_type", None)
-    return set(getattr(manual_type, "varying", ()))
 
 
 def _flat_index(like):
@@ -315,7 +309,7 @@ def _manual_axes(x) -> list[tuple[str, int]]:
 
 def _all_reduce(x, manual, op):
     names = tuple(a for a, _ in manual)
-    varying = _varying(x) or set(names)
+    varying = varying_axes(x) or set(names)
     missing = tuple(a for a in names if a not in varying)
     if missing:
         x = lax.pcast(x, missing, to="varying")

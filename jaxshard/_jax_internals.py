@@ -1,9 +1,40 @@
 """Every use of JAX and jaxtyping internals lives here, each behind one small function.
 
-Checked against jax 0.10.2 and jaxtyping 0.3.11; `tests/test_internals.py` pins down the
-behaviour each function relies on, so a JAX upgrade that changes it fails there first.
+Supported and tested: jax 0.10.2 (Python 3.11), 0.11.2 (3.12) and 0.12.0.1 (3.13), with
+jaxtyping 0.3.11. Where the releases differ, a gate on `jax.__version_info__` picks one
+definition at import (call sites never branch) and says which versions it covers.
+`tests/test_internals.py` pins the behaviour each function relies on, on every version
+of the test matrix, so a release that changes it fails there first.
+
+Public APIs used where they exist: `jax.typeof`, `jax.new_ref` and `jax.Ref`,
+`jax.sharding.get_mesh`, `jax.core.eval_context`, `jax.extend.core` (`Primitive`,
+`find_top_trace`, `set_current_trace`), and the rule tables of `jax.interpreters`
+(`ad.primitive_jvps`, `batching.primitive_batchers` and `fancy_primitive_batchers`,
+`partial_eval.dce_rules`, `mlir.register_lowering`).
+
+Internals still used, and why (none has a public equivalent in these releases):
+
+- `jax._src.debugging._inspect_sharding_lowering_rule` and
+  `jax._src.dispatch.prim_requires_devices_during_lowering`: the sharding probe lowers
+  to the SPMD partitioner's sharding callback, as `jax.debug.inspect_array_sharding`
+  does, but without its effect (which would cost jit's C++ dispatch).
+- `jax._src.interpreters.batching.BatchTracer`: whether a value is batched by `vmap`
+  (the public `ad.JVPTracer` is used to look through autodiff).
+- `jax._src.mesh.thread_resources`: the mesh of the legacy `with mesh:`, deprecated
+  but still supported by every tested jax and invisible to `jax.sharding.get_mesh`.
+- `jax._src.state.types.ReadEffect`/`WriteEffect` and
+  `jax._src.state.discharge.register_discharge_rule`: the check accumulator is a
+  primitive that writes `jax.Ref`s; JAX has no public way to declare that.
+- `jax.Ref._refs._buf`: a Ref's array, read and replaced without an operation (a
+  dispatch per Ref per call adds up over a thousand checks).
+- `jax.jit(f)._jit_info`: a jitted function's static and donated arguments.
+- `aval.manual_axis_type.varying`: the mesh axes a value varies over in `shard_map`.
+- jaxtyping's `_storage` (dimension bindings, the tree-structure pass of `PyTree`),
+  `_decorator`'s wrapper frame (which function is being checked) and its array
+  metaclass's `__instancecheck_str__`/`_check_shape`, which jaxshard's extends.
 """
 
+import re
 import sys
 import threading
 import uuid
@@ -12,7 +43,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.extend.core import Primitive
+import jaxtyping
+from jax.extend.core import find_top_trace, Primitive, set_current_trace
 from jax.extend.mlir import ir
 from jax.interpreters import ad, batching, mlir, partial_eval as pe
 from jaxtyping import _decorator as _jaxtyping_decorator, _storage as _jaxtyping_storage
@@ -26,23 +58,26 @@ from ._errors import UntestedVersionWarning
 TESTED_JAX = ">=0.10.2,<0.13"
 
 
-def _warn_if_untested(version: tuple[int, ...]) -> None:
-    low, high = (
-        tuple(map(int, b.lstrip("<>=").split("."))) for b in TESTED_JAX.split(",")
-    )
-    if not low <= version < high:
+def _release(version: str) -> tuple[int, ...]:
+    """`"0.12.0.1"` -> `(0, 12, 0, 1)`; a suffix such as `.dev2026` is dropped."""
+    return tuple(int(p) for p in re.findall(r"(?:^|\.)(\d+)(?=\.|$)", version))
+
+
+def _warn_if_untested(version: str) -> None:
+    low, high = (_release(b.lstrip("<>=")) for b in TESTED_JAX.split(","))
+    if not low <= _release(version) < high:
         warnings.warn(
             f"jaxshard is tested with jax{TESTED_JAX} (jax 0.10.2 on Python 3.11, "
-            f"0.11.2 on 3.12, 0.12.0.1 on 3.13), but jax {jax.__version__} is "
-            "installed: some checks may fail with errors from JAX's internals. Install "
-            f"a tested jax with `pip install 'jax{TESTED_JAX}'`, or a jaxshard "
-            "release that supports this one.",
+            f"0.11.2 on 3.12, 0.12.0.1 on 3.13), but jax {version} is installed: some "
+            "checks may fail with errors from JAX's internals. Install a tested jax "
+            f"with `pip install 'jax{TESTED_JAX}'`, or a jaxshard release that "
+            "supports this one.",
             UntestedVersionWarning,
             stacklevel=3,
         )
 
 
-_warn_if_untested(jax.__version_info__)
+_warn_if_untested(jax.__version__)
 
 
 # --- the sharding probe -------------------------------------------------------------
@@ -79,12 +114,17 @@ def _probe_abstract_eval(aval, **params):
     return []
 
 
-# DCE rules take `(used_outputs, eqn)` up to jax 0.11.2 and `(used_outputs,
-# live_inputs, eqn)` from 0.12.0 on: the equation is always last.
-def _probe_dce(used_outputs, *rest):
-    del used_outputs
-    eqn = rest[-1]
-    return [True] * len(eqn.invars), eqn
+if jax.__version_info__ >= (0, 12, 0):
+    # jax 0.12.0 and 0.12.0.1: a DCE rule also gets which inputs are live.
+    def _probe_dce(used_outputs, live_inputs, eqn):
+        del used_outputs, live_inputs
+        return [True] * len(eqn.invars), eqn
+
+else:
+    # jax 0.10.2 to 0.11.2.
+    def _probe_dce(used_outputs, eqn):
+        del used_outputs
+        return [True] * len(eqn.invars), eqn
 
 
 def _probe_batch(args, dims, *, callback, batch_dims):
@@ -137,14 +177,14 @@ mlir.register_lowering(probe_p, _probe_lowering)
 
 def is_batched(x: Any) -> bool:
     """True if `x` is (or wraps) a `vmap` tracer with a mapped dimension."""
-    from jax._src.interpreters import ad as ad_internal, batching as batching_internal
+    from jax._src.interpreters.batching import BatchTracer
 
     while isinstance(x, jax.core.Tracer):
-        if isinstance(x, batching_internal.BatchTracer):
+        if isinstance(x, BatchTracer):
             if x.batch_dim is not None:
                 return True
             x = x.val
-        elif isinstance(x, ad_internal.JVPTracer):
+        elif isinstance(x, ad.JVPTracer):
             x = x.primal
         else:
             return False
@@ -162,7 +202,7 @@ def context_mesh() -> jax.sharding.Mesh | None:
         return mesh
     from jax._src import mesh as mesh_lib
 
-    # The legacy `with mesh:` is visible only here (jax 0.10.2).
+    # The legacy `with mesh:` is visible only here (jax 0.10.2 to 0.12.0.1).
     mesh = mesh_lib.thread_resources.env.physical_mesh
     return None if mesh.empty else mesh
 
@@ -222,14 +262,6 @@ def checked_call() -> tuple[str, dict[str, Any], Any] | None:
     return None
 
 
-def backends_started() -> bool:
-    """Whether JAX has created its backends (after which the number of CPU devices is
-    fixed). Checked against jax 0.10.2, which has no public way to ask."""
-    from jax._src import xla_bridge
-
-    return xla_bridge.backends_are_initialized()
-
-
 # --- the check accumulator ----------------------------------------------------------
 #
 # A value check writes what it found into a `jax.Ref` that lives outside every trace,
@@ -258,11 +290,22 @@ def _accumulate_impl(*args, n_refs, merge, reduce):
     return []
 
 
-def _accumulate_discharge(*args, n_refs, merge, reduce):
-    del reduce
-    args = args[_DISCHARGE_CONTEXT_ARGS:]
+def _discharged(args, n_refs, merge):
     refs, stats = args[:n_refs], args[n_refs:]
     return tuple(merge(tuple(refs), stats)) + (None,) * len(stats), []
+
+
+if jax.__version_info__ >= (0, 11, 0):
+    # jax 0.11.0 to 0.12.0.1: a discharge rule gets a context first.
+    def _accumulate_discharge(context, *args, n_refs, merge, reduce):
+        del context, reduce
+        return _discharged(args, n_refs, merge)
+
+else:
+    # jax 0.10.2: a discharge rule gets the input and output avals first.
+    def _accumulate_discharge(in_avals, out_avals, *args, n_refs, merge, reduce):
+        del in_avals, out_avals, reduce
+        return _discharged(args, n_refs, merge)
 
 
 def _accumulate_batch(axis_data, args, dims, *, n_refs, merge, reduce):
@@ -295,22 +338,17 @@ def _accumulate_jvp(primals, tangents, *, n_refs, merge, reduce):
     return [], []
 
 
-# Discharge rules get `(in_avals, out_avals, *args)` on jax 0.10.2 and
-# `(context, *args)` from 0.11.0 on.
-_DISCHARGE_CONTEXT_ARGS = 2 if jax.__version_info__ < (0, 11, 0) else 1
-
 accumulate_p = Primitive("jaxshard_check_accumulate")
 accumulate_p.multiple_results = True
 
 
 def _register_accumulate() -> None:
-    from jax._src.interpreters import batching as batching_internal
     from jax._src.state import discharge as state_discharge
 
     accumulate_p.def_impl(_accumulate_impl)
     accumulate_p.def_effectful_abstract_eval(_accumulate_abstract_eval)
     state_discharge.register_discharge_rule(accumulate_p)(_accumulate_discharge)
-    batching_internal.fancy_primitive_batchers[accumulate_p] = _accumulate_batch
+    batching.fancy_primitive_batchers[accumulate_p] = _accumulate_batch
     ad.primitive_jvps[accumulate_p] = _accumulate_jvp
 
 
@@ -344,37 +382,34 @@ def jit_parameters(fn: Any) -> dict[str, tuple] | None:
         return None
 
 
+# The trace JAX runs op by op in: `find_top_trace(())` is the current trace.
+with jax.core.eval_context():
+    _EVAL_TRACE = type(find_top_trace(()))
+
+
 def in_trace() -> bool:
     """Whether JAX is tracing (inside jit, vmap, grad, ...) rather than running op by
     op."""
-    from jax._src import core
-
-    return not isinstance(core.trace_ctx.trace, core.EvalTrace)
+    return type(find_top_trace(())) is not _EVAL_TRACE
 
 
 def new_ref_outside_traces(value, sharding=None) -> Any:
     """A `jax.Ref` holding `value` (placed with `sharding`), made outside every trace
     even while tracing (`jax.ensure_compile_time_eval` leaves vmap's trace in
     place)."""
-    from jax._src import core
-
-    with core.eval_context():
+    with jax.core.eval_context():
         return jax.new_ref(jax.device_put(value, sharding))
 
 
 def current_trace() -> Any:
     """The innermost trace JAX is recording into."""
-    from jax._src import core
-
-    return core.trace_ctx.trace
+    return find_top_trace(())
 
 
 def new_ref_in(trace: Any, value) -> Any:
     """A `jax.Ref` holding `value`, made in `trace` (an enclosing trace: a shard_map
     body, while the current one is, say, a scan body inside it)."""
-    from jax._src import core
-
-    with core.set_current_trace(trace):
+    with set_current_trace(trace):
         return jax.new_ref(jax.numpy.asarray(value))
 
 
@@ -396,3 +431,18 @@ def set_ref_contents(ref, value) -> None:
     if old.committed and not value.committed:
         value = jax.device_put(value, old.sharding)
     ref._refs._buf = value
+
+
+def varying_axes(x) -> set[str]:
+    """The `shard_map` mesh axes over which `x` differs from device to device (its
+    vma): `jax.typeof(x).manual_axis_type.varying` on jax 0.10.2 to 0.12.0.1."""
+    manual_type = getattr(jax.typeof(x), "manual_axis_type", None)
+    return set(getattr(manual_type, "varying", ()))
+
+
+# --- jaxtyping's array check --------------------------------------------------------
+
+# The metaclass of jaxtyping's array annotations. jaxshard's subclass extends its
+# `__instancecheck_str__` (the reason a value fails, "" if it passes) and `_check_shape`
+# (the shape check against the dimension bindings), as of jaxtyping 0.3.11.
+ArrayMeta = type(jaxtyping.AbstractArray)

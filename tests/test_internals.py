@@ -166,7 +166,7 @@ def test_ref_contents():
 
     ref = jax.new_ref(jnp.zeros(3))
     assert isinstance(ref_contents(ref), jax.Array)
-    set_ref_contents(ref, jnp.arange(3.0))
+    set_ref_contents(ref, jnp.arange(3.0))  # uncommitted: committed like the Ref's
     np.testing.assert_array_equal(ref[...], [0.0, 1.0, 2.0])
     ref[...] = jnp.ones(3)
     np.testing.assert_array_equal(ref_contents(ref), [1.0, 1.0, 1.0])
@@ -206,6 +206,83 @@ def test_untested_jax_warns_at_import():
     assert "UntestedVersionWarning" in result.stderr
     assert "jax 0.13.0 is installed" in result.stderr
     assert "jax>=0.10.2,<0.13" in result.stderr
-    with pytest.warns(jaxshard.UntestedVersionWarning, match="0.10.1"):
-        internals._warn_if_untested((0, 10, 1))
-    internals._warn_if_untested(jax.__version_info__)
+    with pytest.warns(jaxshard.UntestedVersionWarning, match="jax 0.10.1 is installed"):
+        internals._warn_if_untested("0.10.1")
+    with pytest.warns(jaxshard.UntestedVersionWarning):
+        internals._warn_if_untested("0.13.0.dev20261101")
+    for tested in ("0.10.2", "0.11.0", "0.11.2", "0.12.0", "0.12.0.1", jax.__version__):
+        internals._warn_if_untested(tested)
+
+
+def test_traces_and_refs_in_them():
+    """`in_trace`, `current_trace`, `new_ref_in` and `new_ref_outside_traces`, on the
+    public `jax.extend.core` and `jax.core.eval_context`."""
+    assert not internals.in_trace()
+    seen = {}
+
+    def f(x):
+        seen["traced"] = internals.in_trace()
+        outer = internals.current_trace()
+        seen["outside"] = internals.new_ref_outside_traces(np.zeros(()))
+
+        def body(carry, _):
+            ref = internals.new_ref_in(outer, 0.0)  # in the jit trace, not scan's
+            seen["inner"] = internals.current_trace() is not outer
+            ref[...] = carry
+            return carry + 1, ref[...]
+
+        return jax.lax.scan(body, x, length=3)
+
+    carry, ys = jax.jit(f)(1.0)
+    assert seen["traced"] and seen["inner"]
+    assert not isinstance(seen["outside"], jax.core.Tracer)
+    assert isinstance(seen["outside"], jax.Ref)
+    np.testing.assert_array_equal(ys, [1.0, 2.0, 3.0])
+
+
+def test_varying_axes(explicit_mesh):
+    seen = []
+
+    def body(x, y):
+        seen.append((internals.varying_axes(x), internals.varying_axes(y)))
+        return x
+
+    x = put((8, 4), explicit_mesh, P("dp", "tp"))
+    y = put((8, 4), explicit_mesh, P())
+    jax.shard_map(
+        body, mesh=explicit_mesh, in_specs=(P("dp", "tp"), P()), out_specs=P("dp", "tp")
+    )(x, y)
+    assert seen == [({"dp", "tp"}, set())]
+    assert internals.varying_axes(jnp.ones(3)) == set()
+
+
+def test_jaxtyping_array_metaclass():
+    """jaxshard's annotations extend these two methods of jaxtyping's metaclass."""
+    import jaxtyping
+
+    cls = jaxtyping.Float[jax.Array, "n"]
+    assert type(cls) is internals.ArrayMeta
+    assert internals.ArrayMeta.__instancecheck_str__(cls, jnp.ones(3)) == ""
+    assert internals.ArrayMeta.__instancecheck_str__(cls, jnp.ones(3, int)) != ""
+    assert internals.ArrayMeta._check_shape(cls, jnp.ones(3), {}, {}, {}) == ""
+    assert internals.ArrayMeta._check_shape(cls, jnp.ones((3, 2)), {}, {}, {}) != ""
+
+
+def test_dce_keeps_the_probe_and_discharge_writes_the_state():
+    """Both rule signatures changed in these releases (DCE in 0.12, discharge in
+    0.11): a checked scan's state survives DCE and is written by discharge."""
+    import jaxshard
+
+    @jaxshard.checked
+    @jax.jit
+    def f(x):
+        def body(c, xi):
+            jaxshard.check(xi > 0, "x is {xi}", xi=xi)
+            return c, None
+
+        jax.lax.scan(body, 0, x)
+        return x
+
+    f(jnp.ones(3))
+    with pytest.raises(jaxshard.CheckError, match="x is -2.0"):
+        f(jnp.array([1.0, -2.0, 3.0]))
