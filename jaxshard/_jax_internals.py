@@ -295,14 +295,14 @@ def _discharged(args, n_refs, merge):
     return tuple(merge(tuple(refs), stats)) + (None,) * len(stats), []
 
 
-if jax.__version_info__ >= (0, 11, 0):
-    # jax 0.11.0 to 0.12.0.1: a discharge rule gets a context first.
+if jax.__version_info__ >= (0, 11, 1):
+    # jax 0.11.1 to 0.12.0.1: a discharge rule gets a context first.
     def _accumulate_discharge(context, *args, n_refs, merge, reduce):
         del context, reduce
         return _discharged(args, n_refs, merge)
 
 else:
-    # jax 0.10.2: a discharge rule gets the input and output avals first.
+    # jax 0.10.2 and 0.11.0: a discharge rule gets the input and output avals first.
     def _accumulate_discharge(in_avals, out_avals, *args, n_refs, merge, reduce):
         del in_avals, out_avals, reduce
         return _discharged(args, n_refs, merge)
@@ -423,7 +423,7 @@ def set_ref_contents(ref, value) -> None:
     """Replaces the array a `jax.Ref` holds with `value` (of the same type and
     placement), without running an operation.
 
-    From jax 0.11.0 on a Ref's buffer is committed to its devices, and the runtime
+    From jax 0.11 on a Ref's buffer is committed to its devices, and the runtime
     refuses an uncommitted replacement: `value` is committed to the same placement
     first (no copy when it is already there).
     """
