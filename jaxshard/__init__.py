@@ -1,4 +1,21 @@
-"""jaxshard: sharding contracts in jaxtyping annotations, checked wherever JAX runs."""
+"""jaxshard: sharding contracts in jaxtyping annotations, checked wherever JAX runs.
+
+Every public name of jaxtyping is here too, so `import jaxshard as jt` can replace
+`import jaxtyping as jt`: the dtype classes are subclasses of jaxtyping's (a third item
+adds a partition spec), `jaxtyped` and `config` extend jaxtyping's, and the rest are
+jaxtyping's own objects.
+"""
+
+from jaxtyping import (
+    AbstractArray as AbstractArray,
+    AbstractDtype as AbstractDtype,
+    get_array_name_format as get_array_name_format,
+    install_import_hook as install_import_hook,
+    load_ipython_extension as load_ipython_extension,
+    make_numpy_struct_dtype as make_numpy_struct_dtype,
+    print_bindings as print_bindings,
+    set_array_name_format as set_array_name_format,
+)
 
 from ._array_types import (
     BFloat16 as BFloat16,
@@ -50,7 +67,9 @@ from ._checks import (
 from ._config import config as config
 from ._decorator import jaxtyped as jaxtyped
 from ._errors import (
+    AnnotationError as AnnotationError,
     ShardingError as ShardingError,
+    TypeCheckError as TypeCheckError,
     UntestedVersionWarning as UntestedVersionWarning,
 )
 from ._jax_internals import TESTED_JAX as TESTED_JAX
@@ -71,64 +90,112 @@ from ._verify import (
 
 __version__ = "0.2.0"
 
+# jaxtyping's names that it makes on first use, and `jaxshard.strategies`, which
+# imports hypothesis: made or imported when first asked for, not at `import jaxshard`.
+_FROM_JAXTYPING = (
+    "Array",
+    "ArrayLike",
+    "DTypeLike",
+    "PRNGKeyArray",
+    "PyTree",
+    "PyTreeDef",
+    "Scalar",
+    "ScalarLike",
+)
+
+
+def __getattr__(name: str):
+    if name in _FROM_JAXTYPING:
+        import jaxtyping
+
+        return getattr(jaxtyping, name)
+    if name == "strategies":
+        import importlib
+
+        return importlib.import_module("jaxshard.strategies")
+    raise AttributeError(f"module 'jaxshard' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_FROM_JAXTYPING, "strategies"])
+
+
 __all__ = [
     "abstract_args",
+    "AbstractArray",
+    "AbstractDtype",
+    "AnnotationError",
+    "Array",
+    "ArrayLike",
     "BFloat16",
+    "Bool",
     "check",
     "check_finite",
     "check_range",
-    "CheckError",
     "checked",
-    "Bool",
+    "CheckError",
     "Complex",
-    "Complex64",
     "Complex128",
+    "Complex64",
     "config",
     "deferred_checks",
+    "DTypeLike",
     "Failure",
     "Float",
+    "Float16",
+    "Float32",
+    "Float64",
     "Float8e4m3b11fnuz",
     "Float8e4m3fn",
     "Float8e4m3fnuz",
     "Float8e5m2",
     "Float8e5m2fnuz",
-    "Float16",
-    "Float32",
-    "Float64",
     "flush_checks",
+    "get_array_name_format",
     "Inexact",
+    "install_import_hook",
     "Int",
-    "Int2",
-    "Int4",
-    "Int8",
     "Int16",
+    "Int2",
     "Int32",
+    "Int4",
     "Int64",
+    "Int8",
     "Integer",
     "jaxtyped",
     "Key",
     "launch",
+    "load_ipython_extension",
+    "make_numpy_struct_dtype",
     "Memory",
     "Num",
     "partition_spec",
+    "print_bindings",
+    "PRNGKeyArray",
     "ProcessOutcome",
+    "PyTree",
+    "PyTreeDef",
     "Real",
     "Report",
     "Row",
+    "Scalar",
+    "ScalarLike",
+    "set_array_name_format",
     "Shaped",
-    "TESTED_JAX",
     "shard_map",
     "sharded",
-    "shardings",
     "ShardingError",
+    "shardings",
+    "TESTED_JAX",
     "tpu_mesh",
+    "TypeCheckError",
     "UInt",
-    "UInt2",
-    "UInt4",
-    "UInt8",
     "UInt16",
+    "UInt2",
     "UInt32",
+    "UInt4",
     "UInt64",
+    "UInt8",
     "UntestedVersionWarning",
     "verify",
 ]

@@ -1,6 +1,7 @@
 """`Float[Array, "batch d", P("dp", None)]`: jaxtyping annotations with a sharding.
 
-With two items, each dtype class here returns exactly jaxtyping's annotation. With a
+Each dtype class here is a subclass of jaxtyping's. With two items it returns
+jaxtyping's annotation, made by jaxtyping, whose `.dtype` is the jaxshard class. With a
 third item, a `PartitionSpec`, it returns a subclass of that annotation whose
 `isinstance` check also checks the sharding (see `_sharding.py`).
 """
@@ -125,19 +126,23 @@ def with_spec(annotation: Any, spec: Any) -> Any:
 
 
 class _MetaShardedDtype(_MetaAbstractDtype):
-    _plain: Any
-
     def __getitem__(cls, item):
+        # jaxtyping's own `__getitem__`, called on this class: the annotation's
+        # `.dtype` is jaxshard's class (a subclass of jaxtyping's), and pickling, which
+        # rebuilds an annotation from its `.dtype`, gives jaxshard's back.
         if isinstance(item, tuple) and len(item) == 3:
             array_type, dim_str, spec = item
-            return with_spec(cls._plain[array_type, dim_str], spec)
-        return cls._plain[item]
+            return with_spec(super().__getitem__((array_type, dim_str)), spec)
+        return super().__getitem__(item)
 
 
 def _sharded_dtype(plain) -> Any:
-    out = _MetaShardedDtype(plain.__name__, (plain,), {"_plain": plain})
+    out = _MetaShardedDtype(plain.__name__, (plain,), {})
     out.__module__ = "jaxshard"
-    out.__doc__ = f"jaxtyping's `{plain.__name__}`; a third item adds a partition spec."
+    out.__doc__ = (
+        f"jaxtyping's `{plain.__name__}` (a subclass); a third item adds a partition "
+        "spec."
+    )
     return out
 
 
@@ -174,8 +179,7 @@ def sharded(dtype: Any, text: str, *, array_type: Any = jax.Array) -> Any:
     if not isinstance(text, str):
         raise AnnotationError(f"sharded(dtype, text) takes a string; got {text!r}.")
     dims, spec = parse_compact(text)
-    plain = getattr(dtype, "_plain", dtype)
-    return with_spec(plain[array_type, dims], spec)
+    return with_spec(dtype[array_type, dims], spec)
 
 
 def partition_spec(annotation: Any) -> PartitionSpec | None:

@@ -1,4 +1,5 @@
-"""The settings stack: `with jaxshard.config(sharding="off"): ...`, per thread.
+"""The settings stack: `with jaxshard.config(sharding="off"): ...`, per thread, and
+`jaxshard.config.update(...)` for the process.
 
 The settings live in a `jax.make_user_context`, so they are part of `jax.jit`'s cache
 key: a function traced with checks on is traced again when they are turned off, and
@@ -6,11 +7,13 @@ the other way round.
 """
 
 import contextlib
+import functools as ft
 import os
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import jax
+import jaxtyping
 
 
 class Settings(NamedTuple):
@@ -64,16 +67,54 @@ def current() -> Settings:
     return _context.value
 
 
-@contextlib.contextmanager
-def config(**settings: str) -> Iterator[None]:
-    """Changes jaxshard's settings inside a `with` block, for the current thread.
+class _Scope:
+    """What `jaxshard.config(...)` returns: the settings are in force for this thread
+    from the call on; `with` (or use as a decorator) puts them back when it ends."""
 
-    Scopes nest: leaving a block restores the settings that were in force when it was
-    entered. Each thread starts from the process defaults, which come from environment
-    variables. The settings are part of `jax.jit`'s cache key, so a jitted function
-    called in a different scope is traced again.
+    def __init__(self, settings: Settings):
+        self._settings = settings
+        self._context = _context(settings)
+        self._context.__enter__()
 
-    **Arguments:**
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc_info) -> None:
+        self._context.__exit__(*exc_info)
+
+    def __call__(self, fn: Callable) -> Callable:
+        # As a decorator: not in force now, only while `fn` runs.
+        self._context.__exit__(None, None, None)
+        settings = self._settings
+
+        @ft.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with _context(settings):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+
+class Config:
+    """jaxshard's settings, and jaxtyping's.
+
+    `jaxshard.config(sharding=..., checks=...)` changes jaxshard's settings for the
+    current thread: in a `with` block, the settings in force before come back when it
+    ends (scopes nest, and an exception leaving the block restores them too); used as
+    a decorator, they are in force while the function runs; called on its own, from
+    then on in this thread, like `jax.set_mesh`. `jaxshard.config.update(name, value)`
+    changes the default of every thread, like `jax.config.update`. Each thread starts
+    from those defaults, which come from environment variables.
+
+    The settings are part of `jax.jit`'s cache key, so a jitted function called under
+    different settings is traced again.
+
+    jaxtyping's settings (`jaxtyping_disable`, `jaxtyping_remove_typechecker_stack`)
+    are reached through the same object, so `jaxshard.config` can stand in for
+    `jaxtyping.config`: `jaxshard.config.update("jaxtyping_disable", True)` and
+    `jaxshard.config.jaxtyping_disable` are jaxtyping's.
+
+    **Settings:**
 
     - `sharding`: `"check"` (the default; environment variable `JAXSHARD_SHARDING`)
         checks the sharding part of annotations; `"off"` skips it, while dtype and
@@ -91,16 +132,49 @@ def config(**settings: str) -> Iterator[None]:
         ```python
         with jaxshard.config(sharding="off"):
             step(params, batch)  # shapes and dtypes checked, shardings not
+
+        jaxshard.config.update("checks", "deferred")  # every thread, from now on
         ```
     """
-    new = current()._replace(
+
+    def __call__(self, **settings: str) -> _Scope:
+        return _Scope(_with(current(), settings, "jaxshard.config({name}=...)"))
+
+    def update(self, name: str, value: Any) -> None:
+        """Sets the default of setting `name` for every thread (`"sharding"` or
+        `"checks"`, or one of jaxtyping's, which goes to `jaxtyping.config`)."""
+        if isinstance(name, str) and name.lower().startswith("jaxtyping_"):
+            jaxtyping.config.update(name, value)
+            return
+        source = "jaxshard.config.update({name!r}, ...)"
+        _context.set_global(_with(_context.get_global(), {name: value}, source))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("jaxtyping_"):
+            return getattr(jaxtyping.config, name)
+        if name in _SETTINGS:
+            return getattr(current(), name)
+        raise AttributeError(f"jaxshard.config has no setting {name!r}")
+
+    def __repr__(self) -> str:
+        now = current()
+        return (
+            "jaxshard.config("
+            + ", ".join(f"{name}={getattr(now, name)!r}" for name in _SETTINGS)
+            + ")"
+        )
+
+
+def _with(base: Settings, settings: dict, source: str) -> Settings:
+    return base._replace(
         **{
-            name: _validate(name, value, f"jaxshard.config({name}=...)")
+            name: _validate(name, value, source.format(name=name))
             for name, value in settings.items()
         }
     )
-    with _context(new):
-        yield
+
+
+config = Config()
 
 
 @contextlib.contextmanager

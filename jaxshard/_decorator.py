@@ -46,6 +46,8 @@ def _with_notes(checked, fn):
     @ft.wraps(fn)
     def wrapper(*args, **kwargs):
         __tracebackhide__ = True
+        if getattr(wrapper, "__no_type_check__", False):
+            return fn(*args, **kwargs)  # `typing.no_type_check` above this decorator
         _notes.frames.append([])
         try:
             return checked(*args, **kwargs)
@@ -58,19 +60,50 @@ def _with_notes(checked, fn):
         finally:
             _notes.frames.pop()
 
+    wrapper.__jaxshard_jaxtyped__ = True
     return wrapper
 
 
 _sentinel: Any = object()
 
 
-def jaxtyped(fn: Any = _sentinel, *, typechecker: Any = _sentinel) -> Any:
-    """A drop-in for `jaxtyping.jaxtyped`, with the same arguments and behaviour.
+def _is_typechecked(fn: Any) -> bool:
+    """Whether `fn` is already wrapped by beartype or typeguard: jaxtyping's old
+    double-decorator syntax, `@jaxtyped @beartype def f`."""
+    if getattr(fn, "__beartype_wrapper", False):
+        return True
+    filename = getattr(getattr(fn, "__code__", None), "co_filename", "")
+    return "typeguard" in filename.replace("\\", "/").split("/")
 
-    The difference is in the errors: when a sharding check fails, the error is a
-    `jaxshard.ShardingError` (a `jaxtyping.TypeCheckError`) whose message ends with the
-    sharding details: the parameter, the expected and actual specs, the mesh, and the
-    array's dtype and shape. (jaxtyping's own message shows only the expected type.)
+
+def _jaxtyping_jaxtyped(fn: Any, typechecker: Any) -> Any:
+    if typechecker is _sentinel:
+        if _is_typechecked(fn):
+            return jaxtyping.jaxtyped(fn)  # the old syntax: as jaxtyping has it
+        import beartype
+
+        typechecker = beartype.beartype
+    return jaxtyping.jaxtyped(fn, typechecker=typechecker)
+
+
+def jaxtyped(fn: Any = _sentinel, *, typechecker: Any = _sentinel) -> Any:
+    """A drop-in for `jaxtyping.jaxtyped`, with the same arguments and behaviour,
+    which also checks without being told which typechecker to use.
+
+    The differences:
+
+    - Without `typechecker=`, parameters and return values are checked with beartype
+        (jaxtyping would check nothing and warn). A function already wrapped by
+        beartype or typeguard (jaxtyping's old `@jaxtyped @beartype` syntax) is
+        treated as jaxtyping treats it: checked once, by that wrapper, with
+        jaxtyping's warning recommending the new syntax.
+        `typechecker=None` is jaxtyping's: only `isinstance` checks in the body count.
+    - When a sharding check fails, the error is a `jaxshard.ShardingError` (a
+        `jaxtyping.TypeCheckError`) whose message ends with the sharding details: the
+        parameter, the expected and actual specs, the mesh, and the array's dtype and
+        shape. (jaxtyping's own message shows only the expected type.)
+
+    `@typing.no_type_check` above it turns checking off, as with jaxtyping's.
 
     !!! Example
 
@@ -82,20 +115,33 @@ def jaxtyped(fn: Any = _sentinel, *, typechecker: Any = _sentinel) -> Any:
             return x.sum(axis=1)
         ```
     """
-    kwargs = {} if typechecker is _sentinel else {"typechecker": typechecker}
     if isinstance(fn, str):
+        kwargs = {} if typechecker is _sentinel else {"typechecker": typechecker}
         return jaxtyping.jaxtyped(fn, **kwargs)  # "context"
     if fn is _sentinel:
-        return ft.partial(jaxtyped, **kwargs)
+        return ft.partial(jaxtyped, typechecker=typechecker)
     if isinstance(fn, (classmethod, staticmethod)):
-        return type(fn)(jaxtyped(fn.__func__, **kwargs))
+        return type(fn)(jaxtyped(fn.__func__, typechecker=typechecker))
     if isinstance(fn, property):
         parts = (fn.fget, fn.fset, fn.fdel)
-        return property(*(None if p is None else jaxtyped(p, **kwargs) for p in parts))
+        return property(
+            *(
+                None if p is None else jaxtyped(p, typechecker=typechecker)
+                for p in parts
+            )
+        )
     if inspect.isclass(fn):
         init = fn.__init__
-        out = jaxtyping.jaxtyped(fn, **kwargs)
+        if getattr(init, "__jaxshard_jaxtyped__", False):
+            return fn  # already decorated: one check per call, not two
+        out = _jaxtyping_jaxtyped(fn, typechecker)
         if out.__init__ is not init:
             out.__init__ = _with_notes(out.__init__, init)
         return out
-    return _with_notes(jaxtyping.jaxtyped(fn, **kwargs), fn)
+    if not callable(fn):
+        raise TypeError(
+            f"jaxshard.jaxtyped decorates a function, method or class; got {fn!r} of "
+            f"type {type(fn).__name__}. Put `@jaxshard.jaxtyped(typechecker=...)` "
+            "above a `def` or `class`."
+        )
+    return _with_notes(_jaxtyping_jaxtyped(fn, typechecker), fn)

@@ -111,3 +111,67 @@ def test_bad_environment_variable():
     assert result.returncode != 0
     assert "Unrecognised value 'sometimes' for `JAXSHARD_SHARDING`" in result.stderr
     assert "Valid values are 'check', 'off'" in result.stderr
+
+
+def test_a_call_without_with_takes_effect_in_this_thread(explicit_mesh):
+    bad = put((8, 4), explicit_mesh, P(None, "tp"))
+    seen = []
+
+    def thread():
+        jaxshard.config(sharding="off")  # from here on, in this thread only
+        seen.append(isinstance(bad, ANN))
+        seen.append(jaxshard.config.sharding)
+
+    t = threading.Thread(target=thread)
+    t.start()
+    t.join()
+    assert seen == [True, "off"]
+    assert not isinstance(bad, ANN)  # not in this one
+    assert jaxshard.config.sharding == "check"
+
+
+def test_as_a_decorator_only_while_the_function_runs(explicit_mesh):
+    bad = put((8, 4), explicit_mesh, P(None, "tp"))
+
+    @jaxshard.config(sharding="off")
+    def passes():
+        return isinstance(bad, ANN)
+
+    assert not isinstance(bad, ANN)
+    assert passes() and passes()
+    assert not isinstance(bad, ANN)
+
+
+def test_update_sets_the_default_of_every_thread(explicit_mesh):
+    bad = put((8, 4), explicit_mesh, P(None, "tp"))
+    seen = []
+    jaxshard.config.update("sharding", "off")
+    try:
+        t = threading.Thread(target=lambda: seen.append(isinstance(bad, ANN)))
+        t.start()
+        t.join()
+        assert isinstance(bad, ANN)
+        with jaxshard.config(sharding="check"):
+            assert not isinstance(bad, ANN)
+        with pytest.raises(ValueError, match="Valid values are 'check', 'off'"):
+            jaxshard.config.update("sharding", "maybe")
+        assert jaxshard.config.sharding == "off"  # a bad value changes nothing
+    finally:
+        jaxshard.config.update("sharding", "check")
+    assert seen == [True]
+    assert not isinstance(bad, ANN)
+
+
+def test_jaxtypings_settings_through_jaxshard_config():
+    """`jaxshard.config` stands in for `jaxtyping.config`: its settings are
+    jaxtyping's own."""
+    assert jaxshard.config.jaxtyping_disable is jaxtyping.config.jaxtyping_disable
+    jaxshard.config.update("jaxtyping_disable", True)
+    try:
+        assert jaxtyping.config.jaxtyping_disable is True
+    finally:
+        jaxshard.config.update("jaxtyping_disable", False)
+    assert jaxtyping.config.jaxtyping_disable is False
+    with pytest.raises(AttributeError, match="no setting 'nope'"):
+        jaxshard.config.nope
+    assert repr(jaxshard.config) == "jaxshard.config(sharding='check', checks='raise')"
