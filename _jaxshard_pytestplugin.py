@@ -89,14 +89,17 @@ def _libtpu_missing() -> bool:
     return importlib.util.find_spec("libtpu") is None
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def mesh():
     """A factory for meshes of simulated CPU devices:
     `mesh({"dp": 4, "tp": 2}, axis_types="auto")`. `axis_types` is "auto",
-    "explicit", an `AxisType` or one per axis (default: `jax.make_mesh`'s)."""
+    "explicit", an `AxisType` or one per axis (default: `jax.make_mesh`'s).
+
+    Session-scoped (it holds no state), so tests decorated with hypothesis's `@given`
+    can use it: hypothesis refuses function-scoped fixtures there."""
     import jax
 
-    from jaxshard._verify import _axis_types
+    from jaxshard._mesh import _axis_types
 
     def make(axes, *, axis_types=None):
         axes = dict(axes)
@@ -118,11 +121,12 @@ def mesh():
     return make
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tpu_topology():
     """A factory for meshes of a TPU topology's devices (`jaxshard.tpu_mesh`):
-    `tpu_topology("v5e:2x2", {"dp": 2, "tp": 2})`. Skips the test when libtpu is
-    absent."""
+    `tpu_topology("v5e:2x2", {"dp": 2, "tp": 2})`, with Auto axes unless
+    `axis_types="explicit"`. Skips the test when libtpu is absent. Session-scoped, so
+    `@given` tests can use it."""
     if _libtpu_missing():
         pytest.skip(LIBTPU_HINT)
     from jaxshard import tpu_mesh

@@ -74,6 +74,7 @@ from ._errors import (
 )
 from ._jax_internals import TESTED_JAX as TESTED_JAX
 from ._launch import launch as launch, ProcessOutcome as ProcessOutcome
+from ._mesh import tpu_mesh as tpu_mesh
 from ._signature import (
     abstract_args as abstract_args,
     shard_map as shard_map,
@@ -83,7 +84,6 @@ from ._verify import (
     Memory as Memory,
     Report as Report,
     Row as Row,
-    tpu_mesh as tpu_mesh,
     verify as verify,
 )
 

@@ -30,6 +30,7 @@ from ._check_state import (
     BATCH,
     BATCH_DEPTH,
     CALL,
+    CALLS,
     COUNT,
     DEVICE,
     ELEMENT,
@@ -89,6 +90,7 @@ class Failure:
         or `None`.
     - `call`: in deferred mode, the index of the call where the check first failed,
         counted from 0 at the start of `deferred_checks()` or the last flush.
+    - `calls`: in deferred mode, on how many calls the check failed.
     - `values`: the values the message was formatted with.
     """
 
@@ -103,11 +105,15 @@ class Failure:
     device: dict[str, int] | None = None
     call: int | None = None
     values: dict[str, Any] = dataclasses.field(default_factory=dict)
+    calls: int | None = None
 
     def __str__(self):
         where = []
-        if self.size > 1 or self.count > 1:
+        calls = self.calls or 1
+        if self.size > 1:
             where.append(f"{self.count} element{'s' if self.count != 1 else ''} failed")
+        elif self.count > calls:  # a scalar check evaluated in a loop or under vmap
+            where.append(f"failed {self.count} times")
         if self.element is not None:
             where.append(f"first at element {list(self.element)}")
         if self.batch_index is not None:
@@ -118,7 +124,9 @@ class Failure:
             where.append(
                 "device " + ", ".join(f"{a}={i}" for a, i in self.device.items())
             )
-        if self.call is not None:
+        if self.call is not None and calls > 1:
+            where.append(f"failed on {calls} calls, first at call {self.call}")
+        elif self.call is not None:
             where.append(f"call {self.call}")
         place = f" [{'; '.join(where)}]" if where else ""
         return f"{self.message} ({self.filename}:{self.lineno}){place}"
@@ -175,6 +183,7 @@ class Site:
             device=device,
             call=int(state[CALL]) if deferred else None,
             values=values_at,
+            calls=int(state[CALLS]) if deferred else None,
         )
 
 
@@ -386,8 +395,10 @@ def _fold_calls(calls: tuple, valid: Any) -> Any:
     that failed."""
     stacked = jnp.stack(calls)
     counts = jnp.where(valid[:, None], stacked[:, :, COUNT], 0)
+    calls = jnp.where(valid[:, None], stacked[:, :, CALLS], 0)
     first = jnp.argmax(counts > 0, axis=0)
     picked = jnp.take_along_axis(stacked, first[None, :, None], axis=0)[0]
+    picked = picked.at[:, CALLS].set(jnp.sum(calls, axis=0))
     return picked.at[:, COUNT].set(jnp.sum(counts, axis=0))
 
 

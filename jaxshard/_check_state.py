@@ -21,11 +21,13 @@ from ._jax_internals import ref_contents, varying_axes
 
 
 BATCH_DEPTH = 4  # vmap levels whose batch index a failure reports
-# The int32 state of a check site. The first three fields are updated on every
-# evaluation; the others keep the first failure.
-COUNT, EVALS, LAST_CALL, CALL, ITERATION, ELEMENT, DEVICE, BATCH = range(8)
+# The int32 state of a check site. The first five fields are updated on every
+# evaluation (CALLS counts the calls on which the site failed, LAST_FAILED is the last
+# of them); the others keep the first failure.
+COUNT, EVALS, LAST_CALL, CALLS, LAST_FAILED = range(5)
+CALL, ITERATION, ELEMENT, DEVICE, BATCH = range(5, 10)
 STATE_SIZE = BATCH + BATCH_DEPTH
-_INITIAL = np.array([0, 0, -1, -1, -1, -1, -1] + [-1] * BATCH_DEPTH, np.int32)
+_INITIAL = np.array([0, 0, -1, 0, -1, -1, -1, -1, -1] + [-1] * BATCH_DEPTH, np.int32)
 _BIG = np.iinfo(np.int32).max
 
 
@@ -142,7 +144,14 @@ def _merge(refs, stats):
         axis=1,
     )
     kept = jnp.where(first[:, None], first_failure, state[:, CALL:])
-    counts = [column(state[:, COUNT] + count), column(evals + 1), column(call)]
+    new_call = fails & (state[:, LAST_FAILED] != call)
+    counts = [
+        column(state[:, COUNT] + count),
+        column(evals + 1),
+        column(call),
+        column(state[:, CALLS] + new_call),
+        column(jnp.where(fails, call, state[:, LAST_FAILED])),
+    ]
     return flag | jnp.any(fails), jnp.concatenate([*counts, kept], axis=1)
 
 

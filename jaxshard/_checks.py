@@ -37,6 +37,7 @@ from ._check_records import (
     Site,
 )
 from ._check_state import _encode, _INITIAL, _statistics, COUNT, ELEMENT
+from ._errors import expect, expect_callable
 from ._jax_internals import in_trace
 
 
@@ -109,6 +110,7 @@ def checked(fn: Callable) -> Callable:
             return update(params, grads)
         ```
     """
+    expect_callable("checked", fn)
     scope = Scope(getattr(fn, "__qualname__", repr(fn)))
     compiled = _compiled(fn)
 
@@ -204,6 +206,7 @@ def check(pred: Any, msg: str, /, **values: Any) -> None:
         ```
     """
     __tracebackhide__ = True
+    expect(_is_array_like(pred), "check", "pred", "a boolean scalar or array", pred)
     _check(pred, msg, values)
 
 
@@ -383,6 +386,13 @@ def _broadcast(name: str, value: Any, pred) -> Any:
 # --- ready-made checks ----------------------------------------------------------------
 
 
+def _is_array_like(x: Any) -> bool:
+    """An array, a tracer, or a Python or NumPy number: what JAX takes as an array."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+        return True
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
 def check_finite(tree: Any, name: str | None = None) -> None:
     """Checks that no leaf of `tree` holds NaN or infinity.
 
@@ -405,9 +415,17 @@ def check_finite(tree: Any, name: str | None = None) -> None:
         jaxshard.check_finite(grads, name="grads")
         ```
     """
+    expect(name is None or isinstance(name, str), "check_finite", "name", "a str", name)
     name = "tree" if name is None else name
     entries = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        expect(
+            _is_array_like(leaf),
+            "check_finite",
+            "tree",
+            f"a pytree of arrays; its leaf {name}{jax.tree_util.keystr(path)} is not",
+            leaf,
+        )
         if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
             continue
         where = name + jax.tree_util.keystr(path)
@@ -437,6 +455,16 @@ def check_range(
     """
     if lo is None and hi is None:
         raise ValueError("jaxshard.check_range: give `lo`, `hi` or both.")
+    for parameter, value in (("x", x), ("lo", lo), ("hi", hi)):
+        if parameter == "x" or value is not None:
+            expect(
+                _is_array_like(value) and jnp.result_type(value) != jnp.bool_,
+                "check_range",
+                parameter,
+                "a number or an array of numbers",
+                value,
+            )
+    expect(name is None or isinstance(name, str), "check_range", "name", "a str", name)
     name = "value" if name is None else name
     x = jnp.asarray(x)
 

@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--axis-types",
         choices=("auto", "explicit"),
-        help="the mesh's axis types (default: jax.make_mesh's)",
+        default="auto",
+        help="the mesh's axis types (default: auto, as jaxshard.tpu_mesh's)",
     )
     verify.add_argument(
         "--dim",
@@ -261,7 +262,7 @@ def _make_mesh(axes: dict[str, int], topology: str | None, axis_types: str | Non
     import jax
 
     import jaxshard
-    from jaxshard._verify import _axis_types
+    from jaxshard._mesh import _axis_types
 
     if topology is not None:
         return jaxshard.tpu_mesh(topology, axes, axis_types=axis_types)
@@ -274,6 +275,5 @@ def _make_mesh(axes: dict[str, int], topology: str | None, axis_types: str | Non
         raise ValueError(
             f"the mesh {axes} needs {n} devices; there are {len(devices)} (--devices)"
         )
-    types = _axis_types(axis_types, len(shape))
-    kwargs = {} if types is None else {"axis_types": types}
-    return jax.make_mesh(shape, tuple(axes), devices=devices[:n], **kwargs)
+    types = _axis_types(axis_types or "auto", len(shape))
+    return jax.make_mesh(shape, tuple(axes), devices=devices[:n], axis_types=types)

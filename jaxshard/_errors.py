@@ -1,5 +1,7 @@
 """jaxshard's exceptions: every contract failure is a `jaxtyping.TypeCheckError`."""
 
+from typing import Any
+
 from jaxtyping import (
     AnnotationError as AnnotationError,
     TypeCheckError as TypeCheckError,
@@ -24,3 +26,19 @@ class UntestedVersionWarning(UserWarning):
 
 
 UntestedVersionWarning.__module__ = "jaxshard"
+
+
+def expect(ok: bool, function: str, parameter: str, accepts: str, value: Any) -> None:
+    """A public entry point's argument check: unless `ok`, a `TypeError` that names
+    the function, the parameter, what it accepts and what it got."""
+    if not ok:
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise TypeError(
+            f"jaxshard.{function}: `{parameter}` takes {accepts}; got {shown} (type "
+            f"{type(value).__name__})."
+        )
+
+
+def expect_callable(function: str, fn: Any, parameter: str = "fn") -> None:
+    expect(callable(fn), function, parameter, "a function (any callable)", fn)

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _dims
 from ._array_types import partition_spec
-from ._errors import AnnotationError
+from ._errors import AnnotationError, expect, expect_callable
 from ._jax_internals import context_mesh, in_trace
 from ._spec import axes_of, format_spec
 
@@ -233,6 +233,14 @@ def _input_spec(spec: PartitionSpec) -> PartitionSpec:
 
 
 def _resolve_mesh(mesh: Any, what: str) -> Any:
+    function = what.removeprefix("jaxshard.").split("(")[0]
+    expect(
+        mesh is None or isinstance(mesh, jax.sharding.Mesh),
+        function,
+        "mesh",
+        "a jax.sharding.Mesh (or None for the one in context)",
+        mesh,
+    )
     mesh = context_mesh() if mesh is None else mesh
     if mesh is None:
         raise ValueError(
@@ -269,6 +277,7 @@ def shardings(fn: Callable, mesh: Any = None) -> tuple[tuple, Any]:
         step = jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings)
         ```
     """
+    expect_callable("shardings", fn)
     mesh = _resolve_mesh(mesh, "jaxshard.shardings")
     return _shardings(fn, lambda spec: NamedSharding(mesh, _input_spec(spec)))
 
@@ -319,6 +328,7 @@ def shard_map(fn: Callable | None = None, mesh: Any = None, **kwargs) -> Callabl
             return jax.lax.psum(x.sum(0), "dp")
         ```
     """
+    expect(fn is None or callable(fn), "shard_map", "fn", "a function", fn)
     if fn is None:
         return ft.partial(shard_map, mesh=mesh, **kwargs)
     what = f"jaxshard.shard_map({_name(fn)})"
@@ -571,6 +581,7 @@ def abstract_args(
         compiled = jax.jit(step).lower(*args).compile()
         ```
     """
+    expect_callable("abstract_args", fn)
     mesh = _resolve_mesh(mesh, "jaxshard.abstract_args")
     what = f"jaxshard.abstract_args({_name(fn)})"
     sig, _ = signature(fn)

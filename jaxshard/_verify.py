@@ -2,11 +2,8 @@
 from its annotations, and report every sharding contract with what XLA chose."""
 
 import dataclasses
-import functools as ft
-import importlib.util
 import inspect
 import json
-import os
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -14,12 +11,18 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _config
 from ._array_types import partition_spec
 from ._decorator import jaxtyped
-from ._errors import AnnotationError, ShardingError, TypeCheckError
+from ._errors import (
+    AnnotationError,
+    expect,
+    expect_callable,
+    ShardingError,
+    TypeCheckError,
+)
 from ._jax_internals import function_name
 from ._sharding import describe_mesh, describe_sharding, naming, Site
 from ._signature import _bound_inputs, _name, _tree, signature
@@ -312,11 +315,17 @@ def verify(
         print(report)
         ```
     """
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"jaxshard.verify needs a concrete `jax.sharding.Mesh` (e.g. from "
-            f"jaxshard.tpu_mesh or jax.make_mesh); got {mesh!r}."
-        )
+    expect_callable("verify", fn)
+    expect(
+        isinstance(mesh, Mesh),
+        "verify",
+        "mesh",
+        "a concrete jax.sharding.Mesh (from jaxshard.tpu_mesh or jax.make_mesh)",
+        mesh,
+    )
+    expect(dims is None or isinstance(dims, Mapping), "verify", "dims", "a dict", dims)
+    given = values is None or isinstance(values, Mapping)
+    expect(given, "verify", "values", "a dict", values)
     name = _name(fn)
     what = f"jaxshard.verify({name})"
     bound = _bound_inputs(fn, mesh, dims, dtypes, values, what)
@@ -447,128 +456,3 @@ def _flops(compiled: Any) -> float | None:
     if not cost or "flops" not in cost:
         return None
     return float(cost["flops"])
-
-
-# --- TPU meshes ---------------------------------------------------------------------
-
-
-_PROBES = ("v2:2x2", "v3:2x2", "v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2")
-
-
-def _libtpu_missing() -> bool:
-    return importlib.util.find_spec("libtpu") is None
-
-
-LIBTPU_HINT = (
-    "Compiling for a TPU topology needs libtpu (XLA's TPU compiler, which runs on any "
-    "x86-64 Linux machine): `pip install 'jaxshard[tpu]'`, or `pip install "
-    "'jax[tpu]'` for the libtpu that matches your jax."
-)
-
-
-@ft.cache
-def _known_topologies() -> tuple[str, ...]:
-    from jax.experimental import topologies
-
-    known = []
-    for name in _PROBES:
-        try:
-            topologies.get_topology_desc(platform="tpu", topology_name=name)
-        except Exception:
-            continue
-        known.append(name.split(":")[0])
-    return tuple(known)
-
-
-def _axis_types(axis_types: Any, n: int) -> tuple | None:
-    if axis_types is None:
-        return None
-    if isinstance(axis_types, (str, AxisType)):
-        axis_types = (axis_types,) * n
-    out = []
-    for t in axis_types:
-        if isinstance(t, str):
-            try:
-                t = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}[t.lower()]
-            except KeyError:
-                raise ValueError(
-                    f"Unknown axis type {t!r}: use 'auto' or 'explicit' (or "
-                    "jax.sharding.AxisType.Auto / .Explicit)."
-                ) from None
-        out.append(t)
-    return tuple(out)
-
-
-def tpu_mesh(topology: str, axes: Mapping[str, int], *, axis_types: Any = None) -> Mesh:
-    """A mesh of a TPU topology's devices, for compiling without a TPU.
-
-    The devices come from `jax.experimental.topologies.get_topology_desc`, laid out by
-    `jax.make_mesh` so that mesh axes follow the chips' interconnect. Programs can be
-    compiled for the mesh (`jaxshard.verify`, or `jit(...).lower(...).compile()`), not
-    run. Set `JAX_PLATFORMS=cpu` on a machine without TPUs, so that JAX does not look
-    for one.
-
-    **Arguments:**
-
-    - `topology`: e.g. `"v5e:16x16"` (256 chips), `"v5p:4x4x4"`, `"v4:2x2x2"`.
-    - `axes`: mesh axis names and sizes, e.g. `{"dp": 16, "tp": 16}`; the sizes
-        multiply to the number of devices.
-    - `axis_types`: `"auto"`, `"explicit"`, an `AxisType`, or one per axis; by default
-        `jax.make_mesh`'s.
-
-    **Returns:**
-
-    A `jax.sharding.Mesh`.
-
-    **Raises:**
-
-    `ImportError` with an install hint when libtpu is missing; `ValueError` naming
-    the chips libtpu knows when the topology is unknown, or when the axis sizes don't
-    multiply to the number of devices.
-
-    !!! Example
-
-        ```python
-        mesh = jaxshard.tpu_mesh("v5e:16x16", {"dp": 16, "tp": 16})
-        ```
-    """
-    from jax.experimental import topologies
-
-    if _libtpu_missing():
-        raise ImportError(f"jaxshard.tpu_mesh({topology!r}): {LIBTPU_HINT}")
-    # Only compiling happens here, never running: several processes (a test suite and
-    # the `python -m jaxshard` it starts, say) may load libtpu at once.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    axes = dict(axes)
-    if not axes or not all(
-        isinstance(k, str) and isinstance(v, int) and v > 0 for k, v in axes.items()
-    ):
-        raise ValueError(
-            f"jaxshard.tpu_mesh: axes must map axis names to positive sizes, e.g. "
-            f"{{'dp': 16, 'tp': 16}}; got {axes!r}."
-        )
-    try:
-        topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
-    except Exception as e:
-        known = ", ".join(_known_topologies()) or "none"
-        raise ValueError(
-            f"jaxshard.tpu_mesh: libtpu does not know the TPU topology {topology!r} "
-            f"({str(e).splitlines()[0]}). Name one as chip:shape, e.g. 'v5e:2x2', "
-            f"'v5e:16x16', 'v5p:2x2x2', 'v4:2x2x2'; chips this libtpu knows: {known}."
-        ) from None
-    devices = topo.devices
-    shape = tuple(axes.values())
-    if int(np.prod(shape)) != len(devices):
-        raise ValueError(
-            f"jaxshard.tpu_mesh: topology {topology!r} has {len(devices)} devices, but "
-            f"the axes {axes} multiply to {int(np.prod(shape))}."
-        )
-    types = _axis_types(axis_types, len(shape))
-    kwargs = {} if types is None else {"axis_types": types}
-    try:
-        return jax.make_mesh(shape, tuple(axes), devices=devices, **kwargs)
-    except (AssertionError, ValueError, NotImplementedError):
-        # jax lays out meshes only for one device per chip; libtpu's v4 topologies
-        # list each of a chip's two cores. Keep libtpu's order then.
-        grid = np.array(devices, dtype=object).reshape(shape)
-        return Mesh(grid, tuple(axes), **kwargs)

@@ -291,6 +291,50 @@ def test_deferred_block_reports_the_call():
     assert (call, count) == (1, 2)
 
 
+@pytest.mark.parametrize("jitted", [True, False])
+@pytest.mark.parametrize("calls", [1, 15, 40])
+def test_deferred_counts_calls_and_elements_apart(jitted, calls):
+    """A check that fails on several calls says on how many, and how many elements
+    failed in all, apart: a scalar check failing on 15 calls did not fail on 15
+    elements."""
+
+    def body(x):
+        jaxshard.check(x[0] < 3, "first {v}", v=x[0])  # a scalar predicate
+        jaxshard.check(x < 3, "any {v}", v=x)  # three elements
+        jaxshard.check(x[0] < 3, "iterated {v}", v=x[0])
+        jax.lax.scan(
+            lambda c, _: (c, jaxshard.check(c < 3, "loop {c}", c=c)), x[0], length=2
+        )
+        return x
+
+    # `checked(jax.jit(f))` returns its findings; a function that calls jitted code
+    # keeps them in Refs between calls.
+    inner = jax.jit(body)
+    step = jaxshard.checked(inner if jitted else lambda x: inner(x))
+    with pytest.raises(jaxshard.CheckError) as e:
+        with jaxshard.deferred_checks():
+            step(jnp.zeros(3))  # call 0 passes
+            for _ in range(calls):
+                step(jnp.full(3, 9.0))
+    first, many, _, loop = e.value.failures
+    assert (first.calls, first.count, first.call) == (calls, calls, 1)
+    assert (many.calls, many.count, many.size) == (calls, 3 * calls, 3)
+    assert (loop.calls, loop.count) == (calls, 2 * calls)
+    if calls == 1:
+        assert str(first).endswith("[call 1]")
+        assert str(many).endswith("[3 elements failed; first at element [0]; call 1]")
+    else:
+        assert str(first).endswith(f"[failed on {calls} calls, first at call 1]")
+        assert f"[{3 * calls} elements failed; first at element [0]; failed on " in str(
+            many
+        )
+        assert (
+            f"[failed {2 * calls} times; iteration 0; failed on {calls} calls"
+            in str(loop)
+        )
+    assert "elements failed" not in str(first)
+
+
 def test_deferred_mode_and_flush():
     step = step_fn()
     with jaxshard.config(checks="deferred"):

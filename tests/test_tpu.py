@@ -102,6 +102,28 @@ def test_axes_must_cover_the_topology():
         jaxshard.tpu_mesh("v5e:2x2", {"dp": 0})
 
 
+@pytest.mark.parametrize(
+    "topology, axes",
+    [
+        ("v5e:2x2", {"dp": 4}),
+        ("v5e:2x2", {"dp": 2, "tp": 2}),
+        ("v5p:2x2x2", {"dp": 2, "fsdp": 2, "tp": 2}),
+        ("v5p:2x2x2", {"dp": 2, "fsdp": 4}),
+        ("v5p:4x4x4", {"dp": 2, "fsdp": 8, "tp": 4}),
+        ("v5p:4x4x4", {"dp": 4, "fsdp": 4, "tp": 4}),
+        ("v4:2x2x2", {"dp": 4, "tp": 4}),
+    ],
+)
+def test_axis_types_default_to_auto_on_every_topology(topology, axes):
+    """The same default whatever layout `jax.make_mesh` finds (or, where it finds
+    none, libtpu's device order): Auto, as `jax.experimental.topologies.make_mesh`
+    and a bare `jax.sharding.Mesh` have it. Explicit is asked for."""
+    n = len(axes)
+    assert jaxshard.tpu_mesh(topology, axes).axis_types == (AxisType.Auto,) * n
+    explicit = jaxshard.tpu_mesh(topology, axes, axis_types="explicit")
+    assert explicit.axis_types == (AxisType.Explicit,) * n
+
+
 def test_axis_types():
     mesh = jaxshard.tpu_mesh("v5e:2x2", {"dp": 2, "tp": 2}, axis_types="auto")
     assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
@@ -114,9 +136,9 @@ def test_axis_types():
 
 
 def test_missing_libtpu_says_how_to_install(monkeypatch):
-    from jaxshard import _verify
+    from jaxshard import _mesh
 
-    monkeypatch.setattr(_verify, "_libtpu_missing", lambda: True)
+    monkeypatch.setattr(_mesh, "_libtpu_missing", lambda: True)
     with pytest.raises(ImportError, match=re.escape("pip install 'jaxshard[tpu]'")):
         jaxshard.tpu_mesh("v5e:2x2", {"dp": 4})
 
