@@ -367,25 +367,50 @@ jax.tree_util.register_pytree_node(
 
 def _compiled(fn: Callable) -> Callable | None:
     """`fn` as a program that also returns its checks' findings, if `fn` is a
-    `jax.jit` function (with the same static and donated arguments); else `None`."""
+    `jax.jit` function; else `None`.
+
+    The program is `jax.jit` of the function `fn` wraps, with `fn`'s static and
+    donated arguments and its `in_shardings` and `out_shardings` (a jitted function
+    called inside it would close over the checks' Refs, and JAX cannot discharge
+    those from a jit with shardings)."""
     params = jit_parameters(fn)
     if params is None:
         return None
+    fun = params["fun"]
 
     def run(call, *args, **kwargs):
         frame = Frame(call)
         with _config.overriding(check_scope=frame):
-            out = fn(*args, **kwargs)
+            out = fun(*args, **kwargs)
         findings = Findings(frame, frame.flag[...], frame.packed(), call + 1)
         return out, findings
 
-    return jax.jit(
+    static = params["static_argnums"]
+    jit = ft.partial(
+        jax.jit,
         run,  # `call` comes first: the other positions move by one
-        static_argnums=tuple(i + 1 for i in params["static_argnums"]),
+        static_argnums=tuple(i + 1 for i in static),
         static_argnames=params["static_argnames"],
         donate_argnums=tuple(i + 1 for i in params["donate_argnums"]),
         donate_argnames=params["donate_argnames"],
     )
+    if "out_shardings" in params:
+        jit = ft.partial(jit, out_shardings=(params["out_shardings"], None))
+    if "in_shardings" not in params:
+        return jit()
+    given = params["in_shardings"]
+    if isinstance(given, tuple):  # one entry per argument that is not static
+        return jit(in_shardings=(None, *given))
+    # One sharding (or tree prefix) for every argument: as many as each call has.
+    by_count: dict[int, Callable] = {}
+
+    def compiled(call, *args, **kwargs):
+        n = len(args) - sum(1 for i in static if -len(args) <= i < len(args))
+        if n not in by_count:
+            by_count[n] = jit(in_shardings=(None, *([given] * n)))
+        return by_count[n](call, *args, **kwargs)
+
+    return compiled
 
 
 @jax.jit

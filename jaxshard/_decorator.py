@@ -6,10 +6,12 @@ import inspect
 import threading
 from typing import Any
 
+import jax
 import jaxtyping
 from jaxtyping import TypeCheckError
 
 from ._errors import ShardingError
+from ._jax_internals import jit_parameters
 
 
 class _Notes(threading.local):
@@ -103,6 +105,9 @@ def jaxtyped(fn: Any = _sentinel, *, typechecker: Any = _sentinel) -> Any:
         parameter, the expected and actual specs, the mesh, and the array's dtype and
         shape. (jaxtyping's own message shows only the expected type.)
 
+    - A `jax.jit` function (`@jaxtyped @jax.jit def f`) is jitted anew around its
+        checked function, with the same static and donated arguments and shardings.
+
     `@typing.no_type_check` above it turns checking off, as with jaxtyping's.
 
     !!! Example
@@ -138,6 +143,10 @@ def jaxtyped(fn: Any = _sentinel, *, typechecker: Any = _sentinel) -> Any:
         if out.__init__ is not init:
             out.__init__ = _with_notes(out.__init__, init)
         return out
+    params = jit_parameters(fn)
+    if params is not None:  # `@jaxtyped @jax.jit def f`: checked inside the jit
+        params = dict(params)
+        return jax.jit(jaxtyped(params.pop("fun"), typechecker=typechecker), **params)
     if not callable(fn):
         raise TypeError(
             f"jaxshard.jaxtyped decorates a function, method or class; got {fn!r} of "

@@ -368,18 +368,42 @@ def accumulate(refs: tuple, stats: tuple, merge: Callable, reduce: Callable) -> 
     accumulate_p.bind(*refs, *stats, n_refs=len(refs), merge=merge, reduce=reduce)
 
 
-def jit_parameters(fn: Any) -> dict[str, tuple] | None:
-    """The static and donated arguments of a `jax.jit` function, or `None` if `fn`
-    is not one. Read from jit's own record of its parameters (`_jit_info`), which
-    has no public equivalent; checked against jax 0.10.2."""
+def jit_parameters(fn: Any) -> dict[str, Any] | None:
+    """What `jax.jit` was given for `fn`, or `None` if `fn` is not a `jax.jit`
+    function: `fun` (the function it wraps), `static_argnums`, `static_argnames`,
+    `donate_argnums`, `donate_argnames`, and `in_shardings` and `out_shardings` when
+    they were given (as pytrees; an unspecified leaf is `None`).
+
+    Read from jit's own record of its parameters (`_jit_info`), which has no public
+    equivalent; the same on jax 0.10.2 to 0.12.0.1.
+    """
     info = getattr(fn, "_jit_info", None)
-    if info is None or not callable(getattr(fn, "trace", None)):
+    fun = getattr(fn, "__wrapped__", None)
+    if info is None or fun is None or not callable(getattr(fn, "trace", None)):
         return None
     names = ("static_argnums", "static_argnames", "donate_argnums", "donate_argnames")
     try:
-        return {name: tuple(getattr(info, name)) for name in names}
+        out: dict[str, Any] = {name: tuple(getattr(info, name)) for name in names}
+        out["fun"] = fun
+        if info.user_specified_in_shardings:
+            out["in_shardings"] = _shardings(
+                info.in_shardings_treedef, info.in_shardings_leaves
+            )
+        leaves = info.out_shardings_leaves
+        if not all(_unspecified(x) for x in leaves):
+            out["out_shardings"] = _shardings(info.out_shardings_treedef, leaves)
     except (AttributeError, TypeError):
         return None
+    return out
+
+
+def _unspecified(x: Any) -> bool:
+    return type(x).__name__ == "UnspecifiedValue"
+
+
+def _shardings(treedef: Any, leaves: Any) -> Any:
+    leaves = [None if _unspecified(x) else x for x in leaves]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 # The trace JAX runs op by op in: `find_top_trace(())` is the current trace.

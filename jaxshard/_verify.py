@@ -2,6 +2,7 @@
 from its annotations, and report every sharding contract with what XLA chose."""
 
 import dataclasses
+import functools as ft
 import inspect
 import json
 import re
@@ -23,17 +24,32 @@ from ._errors import (
     ShardingError,
     TypeCheckError,
 )
-from ._jax_internals import function_name
+from ._jax_internals import function_name, jit_parameters
 from ._sharding import describe_mesh, describe_sharding, naming, Site
 from ._signature import _bound_inputs, _name, _tree, signature
 from ._spec import format_spec
 
 
 def checked_by_jaxshard(fn: Callable) -> Callable:
-    """`fn`, with its parameters and return value checked against its annotations."""
+    """`fn`, with its parameters and return value checked against its annotations.
+
+    A `jax.jit` function is jitted anew around its checked function, with the same
+    static arguments and shardings, so the checks see what its `in_shardings` and
+    `out_shardings` make of the values. Any other wrapper (`equinox.filter_jit`,
+    `flax.nnx.jit`, ...) is checked around: its parameters as they go in, its return
+    value as it comes out, and every annotated function it calls."""
     import beartype
 
-    return jaxtyped(fn, typechecker=beartype.beartype)
+    check = ft.partial(jaxtyped, typechecker=beartype.beartype)
+    if jit_parameters(fn) is not None or inspect.isfunction(fn) or inspect.ismethod(fn):
+        return check(fn)
+    target = inspect.unwrap(fn)
+
+    @ft.wraps(target)
+    def through(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return check(through)
 
 
 # --- the report ---------------------------------------------------------------------
@@ -340,12 +356,20 @@ def verify(
     def program(inputs):
         given = {**static, **inputs}
         args, kwargs = [], {}
+        order = list(sig.parameters)
         for p in sig.parameters.values():
-            if p.name in given:
-                if p.kind is p.POSITIONAL_ONLY:
-                    args.append(given[p.name])
-                else:
-                    kwargs[p.name] = given[p.name]
+            if p.name not in given:
+                continue
+            # Positionally while none is skipped: a jit with in_shardings takes no
+            # keyword arguments.
+            if (
+                p.kind in _POSITIONAL
+                and not kwargs
+                and len(args) == order.index(p.name)
+            ):
+                args.append(given[p.name])
+            else:
+                kwargs[p.name] = given[p.name]
         for p, value in given.items():
             _check_leaves(qualname, p, hints.get(p), value)
         out = checked(*args, **kwargs)
@@ -378,6 +402,12 @@ def verify(
         error.report = report  # pyright: ignore[reportAttributeAccessIssue]
         raise error
     return report
+
+
+_POSITIONAL = (
+    inspect.Parameter.POSITIONAL_ONLY,
+    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+)
 
 
 class _Leaf:

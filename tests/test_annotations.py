@@ -41,9 +41,11 @@ def test_every_jaxtyping_dtype_is_exported():
         assert ours.dtypes == getattr(jaxtyping, name).dtypes
 
 
-def test_two_items_is_exactly_jaxtyping():
+def test_two_items_is_jaxtypings_annotation():
+    """Made by jaxtyping, with jaxshard's dtype class (a subclass of jaxtyping's) as
+    its `.dtype`."""
     plain = Float[Array, "batch d"]
-    assert plain.dtype is jaxtyping.Float
+    assert plain.dtype is jaxshard.Float and issubclass(plain.dtype, jaxtyping.Float)
     assert type(plain) is type(jaxtyping.Float[Array, "batch d"])
     assert plain.dim_str == "batch d"
     assert jaxshard.partition_spec(plain) is None
@@ -53,7 +55,7 @@ def test_sharded_annotation_is_a_subclass_with_a_readable_repr():
     ann = Float[Array, "batch d", P("dp", None)]
     assert issubclass(ann, jaxtyping.AbstractArray)
     assert ann.__mro__[1].dim_str == "batch d"
-    assert ann.__mro__[1].dtype is jaxtyping.Float
+    assert ann.__mro__[1].dtype is jaxshard.Float
     assert repr(ann) == "Float[Array, 'batch d', P('dp', None)]"
     assert str(ann) == repr(ann)
     assert jaxshard.partition_spec(ann) == P("dp", None)

@@ -728,3 +728,70 @@ def test_explicit_mesh(explicit_mesh, in_context):
         ("params['r'] holds NaN or infinity (first: nan)", 1, (5, 7)),
         ("params['s'] holds NaN or infinity (first: nan)", 1, (5, 7)),
     ]
+
+
+# --- jit with shardings ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["raise", "deferred"])
+@pytest.mark.parametrize("keyword", ["in_shardings", "out_shardings", "both"])
+def test_checked_jit_with_shardings(mode, keyword, auto_mesh):
+    """`checked(jax.jit(step, in_shardings=..., out_shardings=...))` works as
+    `checked(jax.jit(step))` does, with the shardings kept: a tree of out_shardings,
+    donated and static arguments."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    dp = NamedSharding(auto_mesh, P("dp"))
+    rep = NamedSharding(auto_mesh, P())
+    kwargs = {}
+    if keyword in ("in_shardings", "both"):
+        kwargs["in_shardings"] = ({"w": rep, "x": dp},)
+    if keyword in ("out_shardings", "both"):
+        kwargs["out_shardings"] = {"w": rep, "y": dp}
+
+    def step(state, scale):
+        y = state["x"] * scale
+        jaxshard.check(jnp.all(y > 0), "y is {y}", y=y.min())
+        return {"w": state["w"] + 1, "y": y}
+
+    f = jaxshard.checked(jax.jit(step, static_argnums=1, donate_argnums=0, **kwargs))
+
+    def state(sign):
+        x = jax.device_put(sign * jnp.ones((8, 4)), dp)
+        return {"w": jax.device_put(jnp.zeros(4), rep), "x": x}
+
+    with jaxshard.config(checks=mode):
+        given = state(1.0)
+        out = f(given, 2)
+        assert given["x"].is_deleted()  # donated
+        if "out_shardings" in kwargs:
+            assert out["w"].sharding.spec == P() and out["y"].sharding.spec == P("dp")
+        assert float(out["y"].sum()) == 64.0
+        if mode == "raise":
+            with pytest.raises(jaxshard.CheckError, match="y is -3.0"):
+                f(state(-1.0), 3)
+        else:
+            f(state(-1.0), 3)
+            with pytest.raises(jaxshard.CheckError, match=r"y is -3.0 .*\[call 1\]"):
+                jaxshard.flush_checks()
+
+
+def test_checked_jit_with_one_in_sharding_for_every_argument(auto_mesh):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    dp = NamedSharding(auto_mesh, P("dp"))
+
+    def add(a, b):
+        jaxshard.check(jnp.all(a + b > 0), "sum {s}", s=(a + b).min())
+        return a + b
+
+    f = jaxshard.checked(jax.jit(add, in_shardings=dp, out_shardings=dp))
+    x = jnp.ones((8, 4))
+    assert f(x, x).sharding.spec == P("dp")
+    with pytest.raises(jaxshard.CheckError, match="sum -2.0"):
+        f(-x, -x)
+
+
+def test_checked_refuses_what_is_not_callable():
+    with pytest.raises(TypeError, match="jaxshard.checked: `fn` takes a function"):
+        jaxshard.checked(3)

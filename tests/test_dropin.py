@@ -234,3 +234,21 @@ def test_import_hook_with_jaxshards_names(tmp_path, monkeypatch):
 
 def test_ipython_extension_is_jaxtypings():
     assert jaxshard.load_ipython_extension is jaxtyping.load_ipython_extension
+
+
+def test_decorating_a_jitted_function(explicit_mesh):
+    import functools as ft
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    @jaxshard.jaxtyped(typechecker=beartype.beartype)
+    @ft.partial(jax.jit, static_argnums=1)
+    def f(x: Float[Array, "n", P("dp")], k: int) -> Float[Array, "n", P("dp")]:
+        return x * k
+
+    x = jax.device_put(jnp.ones(8), NamedSharding(explicit_mesh, P("dp")))
+    assert float(f(x, 3).sum()) == 24.0
+    with pytest.raises(jaxshard.ShardingError, match="parameter 'x'"):
+        f(jax.device_put(jnp.ones(8), NamedSharding(explicit_mesh, P())), 3)
+    with pytest.raises(jaxtyping.TypeCheckError):
+        f(jnp.ones((8, 2)), 3)

@@ -172,14 +172,17 @@ def test_ref_contents():
     np.testing.assert_array_equal(ref_contents(ref), [1.0, 1.0, 1.0])
 
 
-def test_jit_parameters():
+def test_jit_parameters(auto_mesh):
     import functools as ft
+
+    from jax.sharding import NamedSharding
 
     @ft.partial(jax.jit, static_argnums=1, donate_argnames="x")
     def f(x, n, *, scale=1.0):
         return x * n * scale
 
     assert internals.jit_parameters(f) == {
+        "fun": f.__wrapped__,
         "static_argnums": (1,),
         "static_argnames": ("n",),
         "donate_argnums": (0,),
@@ -187,6 +190,15 @@ def test_jit_parameters():
     }
     assert internals.jit_parameters(f.__wrapped__) is None
     assert internals.jit_parameters(lambda x: x) is None
+    dp, rep = NamedSharding(auto_mesh, P("dp")), NamedSharding(auto_mesh, P())
+    g = jax.jit(lambda a, b: (a, b), in_shardings=(dp, None), out_shardings=(rep, dp))
+    params = internals.jit_parameters(g)
+    assert params["in_shardings"] == (dp, None)
+    assert params["out_shardings"] == (rep, dp)
+    h = jax.jit(lambda a: {"y": a}, in_shardings=dp, out_shardings={"y": None})
+    params = internals.jit_parameters(h)
+    assert params["in_shardings"] == dp
+    assert params["out_shardings"] == {"y": None}
 
 
 def test_untested_jax_warns_at_import():

@@ -169,10 +169,56 @@ def test_shard_map_and_vmap_inside(explicit_mesh):
 
 
 def test_needs_a_mesh():
-    with pytest.raises(TypeError, match="concrete `jax.sharding.Mesh`"):
+    with pytest.raises(TypeError, match="`mesh` takes a concrete jax.sharding.Mesh"):
         jaxshard.verify(model, mesh=None, dims=DIMS)
 
 
 def test_bf16_model(auto_mesh):
     report = jaxshard.verify(model, mesh=auto_mesh, dims=DIMS, dtypes=jnp.bfloat16)
     assert report.rows[0].array == "bfloat16[8,32]"
+
+
+def _plain_layer(
+    x: Float[Array, "b d", P("dp", None)], scale: int
+) -> Float[Array, "b d", P("dp", None)]:
+    return x * scale
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda f: jax.jit(f, static_argnums=1),
+        lambda f: jax.jit(f, static_argnames="scale"),
+        lambda f: eqx.filter_jit(f),
+        lambda f: checked(jax.jit(f, static_argnums=1)),
+    ],
+    ids=["jit", "jit-static-names", "filter_jit", "jaxtyped-jit"],
+)
+def test_jitted_functions(wrap, auto_mesh):
+    """A jitted function is verified like the function it wraps, its static
+    arguments passed as Python values."""
+    report = jaxshard.verify(
+        wrap(_plain_layer), mesh=auto_mesh, dims={"b": 8, "d": 4}, values={"scale": 2}
+    )
+    assert report.ok and [r.name for r in report.rows] == ["x", "return"]
+
+
+def test_jit_shardings_are_checked_against_the_annotations(auto_mesh):
+    """A jit's `out_shardings` that contradict the return annotation is a
+    violation; shardings that agree pass."""
+    dp, tp = NamedSharding(auto_mesh, P("dp")), NamedSharding(auto_mesh, P(None, "tp"))
+    dims = {"b": 8, "d": 4}
+    agree = jax.jit(_plain_layer, static_argnums=1, in_shardings=dp, out_shardings=dp)
+    assert jaxshard.verify(agree, mesh=auto_mesh, dims=dims, values={"scale": 2}).ok
+    clash = jax.jit(_plain_layer, static_argnums=1, out_shardings=tp)
+    with pytest.raises(jaxshard.ShardingError, match="return") as e:
+        jaxshard.verify(clash, mesh=auto_mesh, dims=dims, values={"scale": 2})
+    (row,) = e.value.report.violations
+    assert row.name == "return" and row.actual_spec == "P(None, 'tp')"
+
+
+def test_wrong_argument_types_name_the_parameter(auto_mesh):
+    with pytest.raises(TypeError, match="jaxshard.verify: `fn` takes a function"):
+        jaxshard.verify(3, mesh=auto_mesh)
+    with pytest.raises(TypeError, match="`dims` takes a dict"):
+        jaxshard.verify(_plain_layer, mesh=auto_mesh, dims=[("b", 8)])
