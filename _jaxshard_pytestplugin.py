@@ -12,8 +12,10 @@ some environment variables (`JAX_PLATFORMS`) when it is imported, and a conftest
 set them first.
 """
 
+import glob
 import importlib.util
 import math
+import os
 
 import pytest
 
@@ -37,6 +39,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    if not _libtpu_missing():
+        _quiet_libtpu()  # before JAX starts and loads libtpu
     config.addinivalue_line(
         "markers",
         "tpu_topology: the test compiles for a TPU topology; skipped with an "
@@ -83,6 +87,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("tpu_topology") and _libtpu_missing():
             item.add_marker(pytest.mark.skip(reason=LIBTPU_HINT))
+
+
+def _quiet_libtpu() -> None:
+    # `jaxshard._mesh.quiet_libtpu`, without importing jaxshard (and so JAX) here.
+    if glob.glob("/dev/accel*") or os.path.exists("/dev/vfio"):
+        return
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
 
 
 def _libtpu_missing() -> bool:

@@ -202,6 +202,9 @@ def _load(target: str) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    from jaxshard._mesh import quiet_libtpu
+
+    quiet_libtpu()  # before JAX loads libtpu
     import jax
 
     # This command compiles and never runs on an accelerator: keep JAX on the CPU

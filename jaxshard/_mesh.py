@@ -2,6 +2,7 @@
 machine with no TPU (libtpu, XLA's TPU compiler, runs on any x86-64 Linux machine)."""
 
 import functools as ft
+import glob
 import importlib.util
 import os
 from collections.abc import Mapping
@@ -15,6 +16,18 @@ from ._errors import expect
 
 
 _PROBES = ("v2:2x2", "v3:2x2", "v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2")
+
+
+def quiet_libtpu() -> None:
+    """On a machine with no TPU, sets the two variables libtpu otherwise looks for in
+    the environment and complains about (five lines on stderr) when it loads: the
+    worker hostnames and the accelerator type. Neither changes what a topology
+    compiles to. Variables the user set are kept, and nothing is set on a TPU host.
+    Takes effect only before JAX starts its backends (and loads libtpu)."""
+    if glob.glob("/dev/accel*") or os.path.exists("/dev/vfio"):
+        return  # a TPU host: libtpu finds the real values
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
 
 
 def _libtpu_missing() -> bool:
@@ -121,6 +134,7 @@ def tpu_mesh(
     # Only compiling happens here, never running: several processes (a test suite and
     # the `python -m jaxshard` it starts, say) may load libtpu at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    quiet_libtpu()
     axes = dict(axes)
     if not axes or not all(
         isinstance(k, str) and isinstance(v, int) and v > 0 for k, v in axes.items()

@@ -156,3 +156,29 @@ def test_help_documents_every_option(run):
         "exits 0",
     ]:
         assert option in out
+
+
+def test_no_libtpu_noise_on_a_machine_without_tpus(tmp_path):
+    """libtpu, loaded by JAX when nothing says CPU, complains on stderr about the TPU
+    it cannot find; the command sets what it looks for first, on a machine with no
+    TPU, without overriding the user's settings."""
+    (tmp_path / "model.py").write_text(MODEL)
+    quiet = (
+        "JAX_PLATFORMS",
+        "TPU_WORKER_HOSTNAMES",
+        "TPU_ACCELERATOR_TYPE",
+        "XLA_FLAGS",
+    )
+    env = {k: v for k, v in os.environ.items() if k not in quiet}
+    args = ["verify", "model:layer", "--topology", "v5e:2x2", "--mesh", "dp=2,tp=2"]
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxshard", *args, *DIMS],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "TPU_WORKER_HOSTNAMES" not in out.stderr and "E0000" not in out.stderr
+    assert "TPU accelerator type" not in out.stderr

@@ -104,3 +104,22 @@ def test_tpu_topology_skips_without_libtpu(run):
         f"{hint}pip install 'jaxshard[tpu]'"
     ] * 2
     assert all(line.startswith("SKIPPED [1] test_tpu.py:") for line in skipped)
+
+
+QUIET = """
+import jax
+import jaxshard
+
+def test_tpu_and_cpu():
+    assert jax.devices()[0].platform == "cpu"
+    assert jaxshard.tpu_mesh("v5e:2x2", {"dp": 4}).devices.size == 4
+"""
+
+
+def test_no_libtpu_noise_on_a_machine_without_tpus(run, monkeypatch):
+    for name in ("JAX_PLATFORMS", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE"):
+        monkeypatch.delenv(name, raising=False)
+    result = run("-s", test_quiet=QUIET)
+    result.assert_outcomes(passed=1)
+    err = result.stderr.str()
+    assert "TPU_WORKER_HOSTNAMES" not in err and "E0000" not in err
