@@ -68,6 +68,7 @@ from ._config import config as config
 from ._decorator import jaxtyped as jaxtyped
 from ._errors import (
     AnnotationError as AnnotationError,
+    ModelError as ModelError,
     ShardingError as ShardingError,
     TypeCheckError as TypeCheckError,
     UntestedVersionWarning as UntestedVersionWarning,
@@ -167,6 +168,7 @@ __all__ = [
     "launch",
     "load_ipython_extension",
     "make_numpy_struct_dtype",
+    "ModelError",
     "Memory",
     "Num",
     "partition_spec",

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import re
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,8 +37,9 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Compile FUNCTION for a mesh from its annotations (no arrays are "
             "allocated) and check every sharding contract met on the way. Prints a "
-            "table of contracts; exits 0 when all hold, 1 on violations, 2 on usage "
-            "errors."
+            "table of contracts. Exit status: 0 when every contract holds, 1 when one "
+            "is violated, 2 on a usage error, 3 when the function itself fails to "
+            "trace or compile (its own error, not a contract's)."
         ),
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -199,6 +201,9 @@ def _load(target: str) -> Any:
     return obj
 
 
+MODEL_FAILED = 3  # the exit status when the function fails to trace or compile
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -237,16 +242,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = jaxshard.verify(
             fn, mesh=mesh, dims=dims, dtypes=dtypes, raise_on_error=False
         )
-    except jaxshard.ShardingError as e:  # pragma: no cover - verify collects these
-        print(e, file=sys.stderr)
+    except jaxshard.TypeCheckError as e:  # a contract that is not a sharding's
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    except Exception as e:
-        import jaxtyping
-
-        if isinstance(e, jaxtyping.TypeCheckError):
-            print(f"{type(e).__name__}: {e}", file=sys.stderr)
-            return 1
-        raise
+    except jaxshard.ModelError as e:
+        print(f"{args.function}: {e}", file=sys.stderr)
+        return MODEL_FAILED
+    except Exception as e:  # the function's own error, raised while tracing it
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        print(
+            f"{args.function} failed to trace or compile: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''} ({where.filename}:"
+            f"{where.lineno})",
+            file=sys.stderr,
+        )
+        return MODEL_FAILED
     print(report.to_json() if args.json else report)
     return 0 if report.ok else 1
 

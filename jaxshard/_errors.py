@@ -21,6 +21,16 @@ class ShardingError(TypeCheckError):
 ShardingError.__module__ = "jaxshard"
 
 
+class ModelError(Exception):
+    """`jaxshard.verify` could not trace or compile the function, for a reason of its
+    own rather than a contract: JAX refused one of its operations (a sharding type
+    error on Explicit axes, say). The message names the function, the source line and
+    the operation, and `__cause__` is JAX's error."""
+
+
+ModelError.__module__ = "jaxshard"
+
+
 class UntestedVersionWarning(UserWarning):
     """The installed jax is outside the range this jaxshard release is tested with."""
 

@@ -397,6 +397,13 @@ def jit_parameters(fn: Any) -> dict[str, Any] | None:
     return out
 
 
+def is_sharding_type_error(e: BaseException) -> bool:
+    """Whether `e` is JAX's `ShardingTypeError` (raised on Explicit axes where a
+    result's sharding cannot be inferred), which JAX does not export; the same class
+    on jax 0.10.2 to 0.12.0.1."""
+    return any(c.__name__ == "ShardingTypeError" for c in type(e).__mro__)
+
+
 def _unspecified(x: Any) -> bool:
     return type(x).__name__ == "UnspecifiedValue"
 

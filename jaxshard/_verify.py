@@ -5,8 +5,11 @@ import dataclasses
 import functools as ft
 import inspect
 import json
+import os
 import re
+import sysconfig
 import threading
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,10 +24,11 @@ from ._errors import (
     AnnotationError,
     expect,
     expect_callable,
+    ModelError,
     ShardingError,
     TypeCheckError,
 )
-from ._jax_internals import function_name, jit_parameters
+from ._jax_internals import function_name, is_sharding_type_error, jit_parameters
 from ._sharding import describe_mesh, describe_sharding, naming, Site
 from ._signature import _bound_inputs, _name, _tree, signature
 from ._spec import format_spec
@@ -382,7 +386,12 @@ def verify(
         jax.set_mesh(mesh),
         _config.overriding(sharding="check", recorder=recorder),
     ):
-        compiled = jax.jit(program).lower(traced).compile()
+        try:
+            compiled = jax.jit(program).lower(traced).compile()
+        except Exception as e:
+            if not is_sharding_type_error(e):
+                raise
+            raise ModelError(_sharding_type_error(name, mesh, e)) from e
     report = Report(
         function=name,
         mesh=mesh,
@@ -402,6 +411,40 @@ def verify(
         error.report = report  # pyright: ignore[reportAttributeAccessIssue]
         raise error
     return report
+
+
+def _sharding_type_error(name: str, mesh: Mesh, error: Exception) -> str:
+    """What a sharding type error from JAX says, with where in the user's code it
+    arose and what to do."""
+    where = ""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if _is_user_code(frame.filename):
+            line = (frame.line or "").strip()
+            where = f" at {frame.filename}:{frame.lineno}, in {frame.name}: `{line}`"
+            break
+    return (
+        f"jaxshard.verify({name}): JAX refused an operation{where}, on mesh "
+        f"{describe_mesh(mesh)}: "
+        f"{str(error).splitlines()[0]} This is the model's error, not a contract's: "
+        "on Explicit axes JAX asks for the sharding of a result it cannot infer. Give "
+        "it where JAX asks (e.g. `out_sharding=` or `jax.sharding.reshard`), or verify "
+        'on Auto axes (`jaxshard.tpu_mesh(..., axis_types="auto")`, the default; '
+        "`--axis-types auto`), where XLA chooses."
+    )
+
+
+def _is_user_code(filename: str) -> bool:
+    if filename.startswith("<"):  # generated (beartype's wrappers)
+        return False
+    path = os.path.abspath(filename)
+    return not any(path.startswith(root) for root in _LIBRARY_ROOTS)
+
+
+# Installed packages (JAX, jaxtyping, beartype, ...), the standard library and jaxshard.
+_LIBRARY_ROOTS = tuple(
+    os.path.abspath(p) + os.sep
+    for p in {*(sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib"))}
+) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 
 
 _POSITIONAL = (

@@ -13,6 +13,7 @@ import pytest
 MODEL = textwrap.dedent(
     """
     import beartype
+    import jax
     import jax.numpy as jnp
     from jax import Array
     from jax.sharding import PartitionSpec as P
@@ -36,6 +37,19 @@ MODEL = textwrap.dedent(
 
     def wrong_shape(x: Float[Array, "b d", P("dp")]) -> Float[Array, "d"]:
         return x
+
+
+    jitted = jax.jit(layer)
+
+
+    def contracting(
+        x: Float[Array, "b d", P("dp", "tp")], w: Float[Array, "d f", P("tp", None)]
+    ) -> Float[Array, "b f", P("dp")]:
+        return x @ w  # contracts over tp: Explicit axes need an out_sharding
+
+
+    def broken(x: Float[Array, "b d", P("dp")]) -> Float[Array, "b d", P("dp")]:
+        return x.reshape(3, -1)
     """
 )
 
@@ -108,6 +122,29 @@ def test_dtype(run):
         "verify", "model:layer", "--mesh", "dp=4,tp=2", "--dtype", "bfloat16", *DIMS
     )
     assert code == 0 and "bfloat16[16,8]" in out
+
+
+def test_a_jitted_function(run):
+    code, out, _ = run("verify", "model:jitted", "--mesh", "dp=4,tp=2", *DIMS)
+    assert code == 0 and "layer" in out
+
+
+@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+def test_the_models_own_errors_exit_3(run, axis_types):
+    """Exit 1 is for contracts; a function that fails to trace or compile exits 3,
+    with one line naming where. Contracting over a sharded dimension is fine on Auto
+    axes (the default) and JAX's sharding type error on Explicit ones."""
+    mesh = ["--mesh", "dp=4,tp=2", "--axis-types", axis_types, *DIMS]
+    code, _, err = run("verify", "model:contracting", *mesh)
+    if axis_types == "auto":
+        assert code == 0, err
+    else:
+        assert code == 3, err
+        assert "model.py:" in err and "in contracting: `return x @ w" in err
+        assert "Auto axes" in err and "out_sharding" in err
+    code, _, err = run("verify", "model:broken", "--mesh", "dp=4", *DIMS)
+    assert code == 3 and "failed to trace or compile" in err, err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_other_contract_failures_exit_1(run):

@@ -222,3 +222,20 @@ def test_wrong_argument_types_name_the_parameter(auto_mesh):
         jaxshard.verify(3, mesh=auto_mesh)
     with pytest.raises(TypeError, match="`dims` takes a dict"):
         jaxshard.verify(_plain_layer, mesh=auto_mesh, dims=[("b", 8)])
+
+
+def test_a_sharding_type_error_names_the_line(explicit_mesh, auto_mesh):
+    def contracting(
+        x: Float[Array, "b d", P("dp", "tp")], w: Float[Array, "d f", P("tp", None)]
+    ) -> Float[Array, "b f", P("dp")]:
+        return x @ w
+
+    dims = {"b": 8, "d": 4, "f": 4}
+    assert jaxshard.verify(contracting, mesh=auto_mesh, dims=dims).ok
+    with pytest.raises(jaxshard.ModelError) as e:
+        jaxshard.verify(contracting, mesh=explicit_mesh, dims=dims)
+    message = str(e.value)
+    assert f"{__file__}:" in message and "in contracting: `return x @ w`" in message
+    assert "Contracting dimensions are sharded" in message  # JAX's own words
+    assert 'axis_types="auto"' in message
+    assert type(e.value.__cause__).__name__ == "ShardingTypeError"
