@@ -1,12 +1,14 @@
 """`python -m jaxshard verify pkg.module:fn --topology v5e:16x16 --mesh dp=16,tp=16 ...`
 
 Exit status: 0 when every contract holds, 1 on violations (or another contract
-failure, such as a wrong shape), 2 on usage errors.
+failure, such as a wrong shape), 2 on usage errors, 3 when the function itself fails
+to trace or compile.
 """
 
 import argparse
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -49,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MODULE:FUNCTION",
         help="e.g. pkg.model:forward (a module importable from the current "
         "directory) or path/to/model.py:forward; FUNCTION may be dotted "
-        "(Model.__call__)",
+        "(Model.__call__, with --values self=MODULE:MODEL)",
     )
     verify.add_argument(
         "--topology",
@@ -91,6 +93,17 @@ def _parser() -> argparse.ArgumentParser:
         help="dtype where an annotation allows several (default float32 for Float): "
         "bfloat16 for all, or Float=bfloat16 per dtype class, or x=float16 per "
         "parameter; repeatable",
+    )
+    verify.add_argument(
+        "--values",
+        action="append",
+        default=[],
+        metavar="[PARAM=]MODULE:OBJECT",
+        help="the value of a parameter that has no array annotation, e.g. "
+        "params=model:abstract_params for a flax-style forward(params, x): a pytree "
+        "of arrays or jax.ShapeDtypeStructs, or a function that returns one (called "
+        "with no arguments; jax.eval_shape of an init keeps it abstract). Without "
+        "PARAM=, OBJECT is a dict of parameter values. Repeatable",
     )
     verify.add_argument(
         "--json", action="store_true", help="print the report as JSON instead"
@@ -167,11 +180,54 @@ def _dtype_name(name: str) -> Any:
 
 
 def _load(target: str) -> Any:
+    obj = _load_object(target, "function")
+    if not callable(obj):
+        raise ValueError(f"{target!r} is not callable")
+    return obj
+
+
+def _values(items: Sequence[str]) -> dict[str, Any]:
+    """`--values`: parameter name -> value, arrays made abstract (no device of the
+    mesh holds them: only their shapes and dtypes matter)."""
+    import jax
+
+    values: dict[str, Any] = {}
+    for item in items:
+        name, sep, target = item.partition("=")
+        if not sep:
+            name, target = "", item
+        elif not name.isidentifier():
+            raise ValueError(
+                f"bad --values {item!r}: write PARAM=MODULE:OBJECT or MODULE:OBJECT"
+            )
+        obj = _load_object(target, "--values")
+        if inspect.isfunction(obj):
+            obj = obj()
+        if name:
+            values[name] = obj
+        elif isinstance(obj, dict):
+            values.update(obj)
+        else:
+            raise ValueError(
+                f"--values {item!r}: {target} is a {type(obj).__name__}; without "
+                "PARAM= it must be a dict of parameter values (or write "
+                f"PARAM={target})"
+            )
+
+    def abstract(x):
+        if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or hasattr(x, "__array__"):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return x
+
+    return {k: jax.tree.map(abstract, v) for k, v in values.items()}
+
+
+def _load_object(target: str, what: str) -> Any:
     module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
         raise ValueError(
-            f"bad function {target!r}: write MODULE:FUNCTION, e.g. pkg.model:forward "
-            "or path/to/model.py:forward"
+            f"bad {what} {target!r}: write MODULE:NAME, e.g. pkg.model:forward or "
+            "path/to/model.py:forward"
         )
     if module_name.endswith(".py") or os.sep in module_name:
         if not os.path.isfile(module_name):
@@ -196,8 +252,6 @@ def _load(target: str) -> Any:
             raise ValueError(
                 f"module {module_name!r} has no attribute {attr!r}"
             ) from None
-    if not callable(obj):
-        raise ValueError(f"{target!r} is not callable")
     return obj
 
 
@@ -230,17 +284,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "--devices is for CPU meshes; it conflicts with --topology"
             )
         fn = _load(args.function)
+        values = _values(args.values)
         mesh = _make_mesh(axes, args.topology, args.axis_types)
         import jaxshard
 
-        jaxshard.abstract_args(fn, mesh, dims, dtypes)
+        jaxshard.abstract_args(fn, mesh, dims, dtypes, values=values)
     except (ValueError, ImportError) as e:
         parser.error(_for_the_command_line(str(e).splitlines()[0]))
     import jaxshard
 
     try:
         report = jaxshard.verify(
-            fn, mesh=mesh, dims=dims, dtypes=dtypes, raise_on_error=False
+            fn, mesh=mesh, dims=dims, dtypes=dtypes, values=values, raise_on_error=False
         )
     except jaxshard.TypeCheckError as e:  # a contract that is not a sharding's
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
@@ -263,12 +318,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _for_the_command_line(message: str) -> str:
     """An error of the Python API, worded for the command line's options."""
-    return re.sub(
+    for api, option in _OPTIONS:
+        message = re.sub(api, option, message)
+    return message
+
+
+_OPTIONS = [
+    (
         r"Pass them in `dims`, e\.g\. dims=\{.*?\} \(a tuple of sizes for a "
         r"variadic dimension\)",
         "Give them with --dim NAME=SIZE (NAME=S1,S2 for a variadic dimension)",
-        message,
-    )
+    ),
+    (r"Pass it in `values=\{\.\.\.\}`", "Give it with --values PARAM=MODULE:OBJECT"),
+    (r"`dims` names", "--dim names"),
+    (r"`dtypes` asks for", "--dtype asks for"),
+    (r"`dtypes` names", "--dtype names"),
+    (r"`values` names", "--values names"),
+]
 
 
 def _make_mesh(axes: dict[str, int], topology: str | None, axis_types: str | None):

@@ -205,6 +205,20 @@ def _array_annotations(annotation: Any, seen: set | None = None) -> list:
     return out
 
 
+def _dimension_names(annotations: Any) -> set[str]:
+    """The keys `dims` may have for these annotations: named and variadic dimensions,
+    the expressions of symbolic ones and the names in them."""
+    names = set()
+    for annotation in annotations:
+        for array in _array_annotations(annotation):
+            for dim in _dims.dimensions(array):
+                if dim.kind in ("named", "variadic", "symbolic"):
+                    names.add(dim.name)
+                if dim.kind == "symbolic":
+                    names.update(_dims._names(dim.name))
+    return names
+
+
 def _positional(sig: inspect.Signature, what: str) -> list[inspect.Parameter]:
     out = []
     for p in sig.parameters.values():
@@ -401,7 +415,9 @@ def _listing(noun: str, names: list[str]) -> str:
 _DEFAULT_DTYPES = ("float32", "int32", "uint32", "complex64", "bool")
 
 
-def _dtype(annotation: Any, where: str, key: str, dtypes: Any) -> Any:
+def _dtype(annotation: Any, where: str, key: str, dtypes: Any, used: set) -> Any:
+    """The dtype of an input; the entry of `dtypes` that decided it goes in `used`
+    (`...` for a blanket dtype)."""
     allowed = annotation.dtypes
     chosen = None
     if isinstance(dtypes, Mapping):
@@ -409,15 +425,19 @@ def _dtype(annotation: Any, where: str, key: str, dtypes: Any) -> Any:
         for k in (where, key, name):
             if k in dtypes:
                 chosen = dtypes[k]
+                used.add(k)
                 break
         else:
             for k, v in dtypes.items():
                 if isinstance(k, type) and getattr(k, "__name__", None) == name:
                     chosen = v
+                    used.add(k)
     elif dtypes is not None:
         chosen = dtypes
         if isinstance(allowed, tuple) and np.dtype(chosen).name not in allowed:
             chosen = None  # a blanket dtype applies where the annotation allows it
+        else:
+            used.add(...)
     if chosen is not None:
         chosen = np.dtype(chosen)
         if isinstance(allowed, tuple) and chosen.name not in allowed:
@@ -448,6 +468,14 @@ def _bound_inputs(
     sig, hints = signature(fn)
     dims = dict(dims or {})
     values = dict(values or {})
+    known = _dimension_names(hints.values())
+    stray = sorted(set(dims) - known)
+    if stray:
+        raise ValueError(
+            f"{what}: `dims` names {', '.join(map(repr, stray))}, which no annotation "
+            f"of {_name(fn)} uses; its dimensions are "
+            f"{', '.join(map(repr, sorted(known))) or 'none'}."
+        )
     unknown = sorted(set(values) - set(sig.parameters))
     if unknown:
         raise ValueError(
@@ -458,6 +486,7 @@ def _bound_inputs(
     unbound: dict[str, list[str]] = {}
     uneven: list[str] = []
     needs_value: list[str] = []
+    used_dtypes: set = set()
 
     def leaf(annotation, where, default=None):
         if annotation is None:
@@ -477,7 +506,8 @@ def _bound_inputs(
             uneven.extend(problems)
             if not problems:
                 sharding = NamedSharding(mesh, spec)
-        dtype = _dtype(annotation, where, where.split(".")[0].split("[")[0], dtypes)
+        key = where.split(".")[0].split("[")[0]
+        dtype = _dtype(annotation, where, key, dtypes, used_dtypes)
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     out = {}
@@ -503,6 +533,20 @@ def _bound_inputs(
         )
     if uneven:
         problems.append("; ".join(uneven))
+    if dtypes is not None and not isinstance(dtypes, Mapping) and not used_dtypes:
+        problems.append(
+            f"`dtypes` asks for {np.dtype(dtypes).name}, which no array annotation of "
+            f"{_name(fn)} allows"
+        )
+    if isinstance(dtypes, Mapping) and set(dtypes) - used_dtypes:
+        stray = ", ".join(
+            repr(getattr(k, "__name__", k)) for k in dtypes if k not in used_dtypes
+        )
+        problems.append(
+            f"`dtypes` names {stray}, but no input of {_name(fn)} matches (a key is "
+            "a parameter's name, a tree path such as p.w1, or a dtype class such as "
+            "Float)"
+        )
     if needs_value:
         problems.append(
             f"{_listing('parameter', needs_value)} no array annotation and no "

@@ -50,10 +50,41 @@ MODEL = textwrap.dedent(
 
     def broken(x: Float[Array, "b d", P("dp")]) -> Float[Array, "b d", P("dp")]:
         return x.reshape(3, -1)
+
+
+    @jaxshard.jaxtyped(typechecker=beartype.beartype)
+    def dense(
+        x: Float[Array, "b d", P("dp")], w: Float[Array, "d f"]
+    ) -> Float[Array, "b f", P("dp")]:
+        return x @ w
+
+
+    def forward(params, x: Float[Array, "b d", P("dp")]) -> Float[Array, "b f"]:
+        return dense(x, params["w"])
+
+
+    def abstract_params():
+        return {"w": jax.ShapeDtypeStruct((8, 16), jnp.float32)}
+
+
+    concrete_params = {"w": jnp.ones((8, 16))}
+    all_values = {"params": concrete_params}
+
+
+    class Model:
+        def __init__(self, w):
+            self.w = w
+
+        def __call__(self, x: Float[Array, "b d", P("dp")]) -> Float[Array, "b f"]:
+            return dense(x, self.w)
+
+
+    model = Model(jnp.ones((8, 16)))
     """
 )
 
 DIMS = ["--dim", "b=16", "--dim", "d=8", "--dim", "f=16"]
+BD = DIMS[:4]  # for functions with no dimension f
 
 
 @pytest.fixture
@@ -142,13 +173,38 @@ def test_the_models_own_errors_exit_3(run, axis_types):
         assert code == 3, err
         assert "model.py:" in err and "in contracting: `return x @ w" in err
         assert "Auto axes" in err and "out_sharding" in err
-    code, _, err = run("verify", "model:broken", "--mesh", "dp=4", *DIMS)
+    code, _, err = run("verify", "model:broken", "--mesh", "dp=4", *BD)
     assert code == 3 and "failed to trace or compile" in err, err
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "values",
+    [
+        ["--values", "params=model:abstract_params"],
+        ["--values", "params=model:concrete_params"],
+        ["--values", "model:all_values"],
+    ],
+)
+def test_values_for_parameters_with_no_array_annotation(run, values):
+    """A flax-style forward(params, x): params from a module, abstract or concrete,
+    or returned by a function."""
+    args = ["model:forward", "--mesh", "dp=4,tp=2", *DIMS, *values]
+    code, out, err = run("verify", *args)
+    assert code == 0, err
+    assert "forward" in out and "dense" in out
+
+
+def test_a_method_with_its_instance(run):
+    args = ["model:Model.__call__", "--mesh", "dp=4,tp=2", *DIMS]
+    code, _, err = run("verify", *args, "--values", "self=model:model")
+    assert code == 0, err
+    code, _, err = run("verify", *args)
+    assert code == 2 and "--values PARAM=MODULE:OBJECT" in err
+
+
 def test_other_contract_failures_exit_1(run):
-    code, _, err = run("verify", "model:wrong_shape", "--mesh", "dp=4", *DIMS)
+    code, _, err = run("verify", "model:wrong_shape", "--mesh", "dp=4", *BD)
     assert code == 1 and "TypeCheckError" in err
 
 
@@ -157,7 +213,7 @@ def test_other_contract_failures_exit_1(run):
     [
         (["nowhere:f", "--mesh", "dp=4"], "cannot import module 'nowhere'"),
         (["model:nothing", "--mesh", "dp=4"], "has no attribute 'nothing'"),
-        (["model", "--mesh", "dp=4"], "write MODULE:FUNCTION"),
+        (["model", "--mesh", "dp=4"], "write MODULE:NAME"),
         (["model:layer", "--mesh", "dp4"], "bad --mesh 'dp4'"),
         (["model:layer", "--mesh", "dp=4,tp=2", "--dim", "b=8"], "'d' (in x, w)"),
         (
@@ -170,6 +226,34 @@ def test_other_contract_failures_exit_1(run):
             "does not know the TPU topology 'v9:2x2'",
         ),
         (["model:layer", "--mesh", "dp=16", *DIMS, "--devices", "8"], "needs 16"),
+        (
+            ["model:layer", "--mesh", "dp=4", *DIMS, "--dim", "foo=3"],
+            "--dim names 'foo', which no annotation of layer uses",
+        ),
+        (
+            ["model:layer", "--mesh", "dp=4", *DIMS, "--dtype", "int32"],
+            "--dtype asks for int32, which no array annotation of layer allows",
+        ),
+        (
+            ["model:layer", "--mesh", "dp=4", *DIMS, "--dtype", "zz=bfloat16"],
+            "--dtype names 'zz', but no input of layer matches",
+        ),
+        (
+            ["model:layer", "--mesh", "dp=2,tp=4", "--topology", "v5e:2x2", *DIMS],
+            "has 4 devices, but the axes {'dp': 2, 'tp': 4} multiply to 8",
+        ),
+        (
+            ["model:forward", "--mesh", "dp=4", *DIMS],
+            "Give it with --values PARAM=MODULE:OBJECT",
+        ),
+        (
+            ["model:forward", "--mesh", "dp=4", *DIMS, "--values", "model:nope"],
+            "has no attribute 'nope'",
+        ),
+        (
+            ["model:forward", "--mesh", "dp=4", *DIMS, "--values", "model:model"],
+            "without PARAM= it must be a dict",
+        ),
     ],
 )
 def test_usage_errors_exit_2(run, args, reason):
@@ -190,9 +274,11 @@ def test_help_documents_every_option(run):
         "--devices",
         "--axis-types",
         "--json",
-        "exits 0",
+        "--values",
+        "Exit status: 0 when every contract holds, 1 when one is violated, 2 on a "
+        "usage error, 3 when the function itself fails to trace or compile",
     ]:
-        assert option in out
+        assert option in " ".join(out.split())
 
 
 def test_no_libtpu_noise_on_a_machine_without_tpus(tmp_path):
