@@ -89,6 +89,11 @@ def checked(fn: Callable) -> Callable:
     `f`'s static and donated arguments kept. For any other `fn`, the checks' state
     lives on the device between calls, as `jax.Ref`s its programs take.
 
+    With donated arguments (`jax.jit(f, donate_argnums=...)`), a call that fails in
+    "raise" mode has already consumed them: keep a copy of the state before the
+    call (`jax.tree.map(jnp.copy, state)`) to roll back to, or use deferred mode with
+    checkpoints (see "Donated arguments" in the value contracts guide).
+
     **Arguments:**
 
     - `fn`: any function, jitted or not; `checked(jax.jit(f))` and

@@ -795,3 +795,24 @@ def test_checked_jit_with_one_in_sharding_for_every_argument(auto_mesh):
 def test_checked_refuses_what_is_not_callable():
     with pytest.raises(TypeError, match="jaxshard.checked: `fn` takes a function"):
         jaxshard.checked(3)
+
+
+def test_donated_state_and_a_copy():
+    """A failing call in raise mode has consumed its donated input; a copy made
+    before the call is what a user rolls back to (the pattern the docs show)."""
+
+    @jaxshard.checked
+    @ft.partial(jax.jit, donate_argnums=0)
+    def step(state):
+        jaxshard.check(jnp.all(state > 0), "state {s}", s=state.min())
+        return state - 2.0
+
+    state = jnp.full(4, 3.0)
+    state = step(state)  # 1.0 everywhere
+    backup = jax.tree.map(jnp.copy, state)
+    given = state
+    with pytest.raises(jaxshard.CheckError):
+        step(step(given))  # the second call sees -1.0
+    assert given.is_deleted()
+    assert not backup.is_deleted()
+    np.testing.assert_array_equal(backup, jnp.ones(4))

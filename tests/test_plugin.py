@@ -123,3 +123,23 @@ def test_no_libtpu_noise_on_a_machine_without_tpus(run, monkeypatch):
     result.assert_outcomes(passed=1)
     err = result.stderr.str()
     assert "TPU_WORKER_HOSTNAMES" not in err and "E0000" not in err
+
+
+GIVEN = """
+import jax.numpy as jnp
+from hypothesis import given, settings, strategies as st
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+@settings(max_examples=5, deadline=None)
+@given(rows=st.sampled_from([4, 8, 12]))
+def test_with_given(mesh, rows):
+    m = mesh({"dp": 4})
+    x = jnp.ones((rows, 2), device=NamedSharding(m, P("dp")))
+    assert x.sharding.spec == P("dp")
+"""
+
+
+def test_mesh_fixture_with_hypothesis_given(run):
+    """The fixture factories are session-scoped: hypothesis's health check, which
+    refuses function-scoped fixtures in `@given` tests, lets them through."""
+    run("--jaxshard-devices", "4", test_given=GIVEN).assert_outcomes(passed=1)
