@@ -56,6 +56,7 @@ from ._array_types import (
     UInt64 as UInt64,
 )
 from ._check_records import CheckError as CheckError, Failure as Failure
+from ._check_tree import check_tree as check_tree
 from ._checks import (
     check as check,
     check_finite as check_finite,
@@ -133,6 +134,7 @@ __all__ = [
     "check",
     "check_finite",
     "check_range",
+    "check_tree",
     "checked",
     "CheckError",
     "Complex",

@@ -1,0 +1,91 @@
+"""`jaxshard.check_tree`: a Module's fields checked at any point."""
+
+from typing import NamedTuple
+
+import beartype
+import equinox as eqx
+import jax
+import jaxtyping
+import pytest
+from helpers import put
+from jax import Array
+from jax.sharding import PartitionSpec as P
+
+import jaxshard
+from jaxshard import Float
+
+
+@jaxshard.jaxtyped(typechecker=beartype.beartype)
+class Layer(eqx.Module):
+    w: Float[Array, "d f", P(None, "tp")]
+    b: Float[Array, "f", P("tp")] | None
+    blocks: tuple[Float[Array, "d d"], ...]
+    scale: float = eqx.field(static=True, default=1.0)
+
+
+class Pair(NamedTuple):
+    x: Float[Array, "b d", P("dp", None)]
+    extra: dict[str, Float[Array, "d"]]
+
+
+def layer(mesh, w_spec=P(None, "tp")):
+    return Layer(put((8, 4), mesh, w_spec), None, (put((8, 8), mesh, P()),))
+
+
+def test_a_module_after_tree_at(mesh):
+    model = layer(mesh)
+    jaxshard.check_tree(model)
+    with pytest.raises(jaxshard.ShardingError, match="sharded"):
+        Layer(put((8, 4), mesh, P("dp")), None, ())  # __init__ checks, as always
+    moved = eqx.tree_at(lambda m: m.w, model, put((8, 4), mesh, P("dp")))
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jaxshard.check_tree(moved)
+    assert str(e.value).startswith("check_tree(Layer): 1 array does not match")
+    assert "- Layer.w: this array (float32[8,4]) is sharded as P('dp', None)" in str(
+        e.value
+    )
+
+
+def test_every_failure_listed_with_its_path(mesh):
+    model = layer(mesh)
+    bad = eqx.tree_at(
+        lambda m: (m.w, m.b, m.blocks),
+        model,
+        (put((8, 4), mesh, P()), put((4,), mesh, P()), (put((8, 3), mesh, P()),)),
+        is_leaf=lambda x: x is None,
+    )
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jaxshard.check_tree(bad, name="model")
+    message = str(e.value)
+    assert "3 arrays do not match their annotations" in message
+    for path in ("model.w", "model.b", "model.blocks[0]"):
+        assert f"- {path}: " in message
+
+
+def test_shape_and_dtype_alone_are_type_errors(mesh):
+    model = eqx.tree_at(lambda m: m.blocks, layer(mesh), (put((8, 4), mesh, P()),))
+    with pytest.raises(jaxtyping.TypeCheckError) as e:
+        jaxshard.check_tree(model)
+    assert not isinstance(e.value, jaxshard.ShardingError)
+    assert "Layer.blocks[0]" in str(e.value)
+
+
+def test_named_tuples_dicts_and_an_explicit_annotation(mesh):
+    pair = Pair(put((8, 4), mesh, P("dp")), {"a": put((4,), mesh, P())})
+    jaxshard.check_tree(pair)
+    jaxshard.check_tree((pair,), tuple[Pair], name="args")
+    wrong = pair._replace(extra={"a": put((5,), mesh, P())})
+    with pytest.raises(jaxtyping.TypeCheckError, match=r"args\[0\].extra\['a'\]"):
+        jaxshard.check_tree((wrong,), tuple[Pair], name="args")
+
+
+def test_inside_jit(mesh):
+    @jax.jit
+    def f(model):
+        jaxshard.check_tree(model)
+        return model.w * 2
+
+    with jax.set_mesh(mesh):
+        f(layer(mesh))
+        with pytest.raises(jaxshard.ShardingError, match="Layer.w"):
+            f(eqx.tree_at(lambda m: m.w, layer(mesh), put((8, 4), mesh, P("dp"))))
