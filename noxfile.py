@@ -99,6 +99,17 @@ def bench(session, jax):
         session.run("python", f"benchmarks/{script}.py", *session.posargs, env=env)
 
 
+@nox.session(python=NEWEST[0])
+def soak(session):
+    """The property tests with many examples (10,000 by default, or `nox -s soak --
+    N`): jaxshard's verdict against JAX's on random meshes, specs and shapes, on the
+    eager, Explicit-jit, Auto-jit and shard_map paths."""
+    _install(session, NEWEST[1], "test")
+    examples = session.posargs[0] if session.posargs else "10000"
+    env = {"JAX_PLATFORMS": "cpu", "JAXSHARD_PROPERTY_EXAMPLES": examples}
+    session.run("pytest", "tests/test_properties.py", "-q", env=env)
+
+
 @nox.session
 def docs(session):
     """Builds the documentation site with `--strict`."""
