@@ -17,18 +17,18 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 from beartype import beartype  # noqa: E402
+from jax import Array  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
-from jaxtyping import Array  # noqa: E402
 
 import jaxshard  # noqa: E402
 from jaxshard import Float  # noqa: E402
 
 
 # Activations: batch over "dp". Hidden units: over "tp". Both syntaxes say the same.
-X = jaxshard.sharded(Float, "[batch/dp] d")
+X = Float[Array, "[batch/dp] d"]
 H = Float[Array, "batch hidden", P("dp", "tp")]
 W1 = Float[Array, "d hidden", P(None, "tp")]
-W2 = jaxshard.sharded(Float, "[hidden/tp] d")
+W2 = Float[Array, "[hidden/tp] d"]
 
 
 @jaxshard.jaxtyped(typechecker=beartype)
@@ -47,6 +47,12 @@ def down(h: H, w2: W2) -> X:
 @jaxshard.jaxtyped(typechecker=beartype)
 def mlp(x: X, w1: W1, w2: W2) -> X:
     return x + down(up(x, w1), w2)
+
+
+def spec_of(x: Array) -> P:
+    sharding = x.sharding
+    assert isinstance(sharding, NamedSharding)
+    return sharding.spec
 
 
 def place(mesh, w1_spec=P(None, "tp")):
@@ -80,12 +86,12 @@ def main() -> int:
     with jax.set_mesh(explicit):
         args = place(explicit)
         y = mlp(*args)
-        print(f"  eager, Explicit mesh: checked on the arrays;   y {y.sharding.spec}")
+        print(f"  eager, Explicit mesh: checked on the arrays;   y {spec_of(y)}")
         y = jax.jit(mlp)(*args)
-        print(f"  jit, Explicit mesh:   checked at trace time;   y {y.sharding.spec}")
+        print(f"  jit, Explicit mesh:   checked at trace time;   y {spec_of(y)}")
     with jax.set_mesh(auto):
         y = jax.jit(mlp)(*place(auto))
-    print(f"  jit, Auto mesh:       checked at compile time; y {y.sharding.spec}")
+    print(f"  jit, Auto mesh:       checked at compile time; y {spec_of(y)}")
 
     # w1 sharded over its rows instead of its columns.
     bad = place(explicit, w1_spec=P("tp", None))

@@ -196,7 +196,7 @@ def main() -> int:
         raise_on_error=False,  # return the report, violations and all
     )
     print(report, end="\n\n")
-    found = [(r.function.rsplit(".")[-1], r.name) for r in report.violations]
+    found = [((r.function or "").rsplit(".")[-1], r.name) for r in report.violations]
     if found != [("block_misannotated", "return")]:
         print(f"Expected one violation, in block_misannotated's return value: {found}")
         return 1

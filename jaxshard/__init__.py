@@ -6,6 +6,8 @@ adds a partition spec), `jaxtyped` and `config` extend jaxtyping's, and the rest
 jaxtyping's own objects.
 """
 
+from typing import TYPE_CHECKING
+
 from jaxtyping import (
     AbstractArray as AbstractArray,
     AbstractDtype as AbstractDtype,
@@ -18,43 +20,95 @@ from jaxtyping import (
 )
 
 from ._array_types import (
-    BFloat16 as BFloat16,
-    Bool as Bool,
-    Complex as Complex,
-    Complex64 as Complex64,
-    Complex128 as Complex128,
-    Float as Float,
-    Float8e4m3b11fnuz as Float8e4m3b11fnuz,
-    Float8e4m3fn as Float8e4m3fn,
-    Float8e4m3fnuz as Float8e4m3fnuz,
-    Float8e5m2 as Float8e5m2,
-    Float8e5m2fnuz as Float8e5m2fnuz,
-    Float16 as Float16,
-    Float32 as Float32,
-    Float64 as Float64,
-    Inexact as Inexact,
-    Int as Int,
-    Int2 as Int2,
-    Int4 as Int4,
-    Int8 as Int8,
-    Int16 as Int16,
-    Int32 as Int32,
-    Int64 as Int64,
-    Integer as Integer,
-    Key as Key,
-    Num as Num,
     partition_spec as partition_spec,
-    Real as Real,
-    Shaped as Shaped,
     sharded as sharded,
-    UInt as UInt,
-    UInt2 as UInt2,
-    UInt4 as UInt4,
-    UInt8 as UInt8,
-    UInt16 as UInt16,
-    UInt32 as UInt32,
-    UInt64 as UInt64,
 )
+
+
+if TYPE_CHECKING:  # `Float[Array, "b d", P("dp")]` reads as `Array`
+    from jax import Array as Array
+    from jax.tree_util import PyTreeDef as PyTreeDef
+    from jax.typing import ArrayLike as ArrayLike, DTypeLike as DTypeLike
+    from jaxtyping import (
+        PRNGKeyArray as PRNGKeyArray,
+        PyTree as PyTree,
+        Scalar as Scalar,
+        ScalarLike as ScalarLike,
+    )
+
+    from ._indirection import (
+        BFloat16 as BFloat16,
+        Bool as Bool,
+        Complex as Complex,
+        Complex64 as Complex64,
+        Complex128 as Complex128,
+        Float as Float,
+        Float8e4m3b11fnuz as Float8e4m3b11fnuz,
+        Float8e4m3fn as Float8e4m3fn,
+        Float8e4m3fnuz as Float8e4m3fnuz,
+        Float8e5m2 as Float8e5m2,
+        Float8e5m2fnuz as Float8e5m2fnuz,
+        Float16 as Float16,
+        Float32 as Float32,
+        Float64 as Float64,
+        Inexact as Inexact,
+        Int as Int,
+        Int2 as Int2,
+        Int4 as Int4,
+        Int8 as Int8,
+        Int16 as Int16,
+        Int32 as Int32,
+        Int64 as Int64,
+        Integer as Integer,
+        Key as Key,
+        Num as Num,
+        Real as Real,
+        Shaped as Shaped,
+        UInt as UInt,
+        UInt2 as UInt2,
+        UInt4 as UInt4,
+        UInt8 as UInt8,
+        UInt16 as UInt16,
+        UInt32 as UInt32,
+        UInt64 as UInt64,
+    )
+else:
+    from ._array_types import (
+        BFloat16 as BFloat16,
+        Bool as Bool,
+        Complex as Complex,
+        Complex64 as Complex64,
+        Complex128 as Complex128,
+        Float as Float,
+        Float8e4m3b11fnuz as Float8e4m3b11fnuz,
+        Float8e4m3fn as Float8e4m3fn,
+        Float8e4m3fnuz as Float8e4m3fnuz,
+        Float8e5m2 as Float8e5m2,
+        Float8e5m2fnuz as Float8e5m2fnuz,
+        Float16 as Float16,
+        Float32 as Float32,
+        Float64 as Float64,
+        Inexact as Inexact,
+        Int as Int,
+        Int2 as Int2,
+        Int4 as Int4,
+        Int8 as Int8,
+        Int16 as Int16,
+        Int32 as Int32,
+        Int64 as Int64,
+        Integer as Integer,
+        Key as Key,
+        Num as Num,
+        Real as Real,
+        Shaped as Shaped,
+        UInt as UInt,
+        UInt2 as UInt2,
+        UInt4 as UInt4,
+        UInt8 as UInt8,
+        UInt16 as UInt16,
+        UInt32 as UInt32,
+        UInt64 as UInt64,
+    )
 from ._check_records import CheckError as CheckError, Failure as Failure
 from ._check_tree import check_tree as check_tree
 from ._checks import (

@@ -133,6 +133,11 @@ class _MetaShardedDtype(_MetaAbstractDtype):
         if isinstance(item, tuple) and len(item) == 3:
             array_type, dim_str, spec = item
             return with_spec(super().__getitem__((array_type, dim_str)), spec)
+        if isinstance(item, tuple) and len(item) == 2 and "[" in str(item[1]):
+            # The compact syntax, `Float[Array, "[batch/dp] d"]`: a static type too.
+            array_type, text = item
+            dims, spec = parse_compact(text)
+            return with_spec(super().__getitem__((array_type, dims)), spec)
         return super().__getitem__(item)
 
 

@@ -4,7 +4,9 @@ with a sharding."""
 import functools as ft
 import inspect
 import threading
-from typing import Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Literal, overload, ParamSpec, TypeVar
 
 import jax
 import jaxtyping
@@ -86,6 +88,30 @@ def _jaxtyping_jaxtyped(fn: Any, typechecker: Any) -> Any:
 
         typechecker = beartype.beartype
     return jaxtyping.jaxtyped(fn, typechecker=typechecker)
+
+
+_T = TypeVar("_T")
+_Params = ParamSpec("_Params")
+_Return = TypeVar("_Return")
+
+
+# What static type checkers see: the decorated function or class keeps its type.
+@overload
+def jaxtyped(*, typechecker: Any = _sentinel) -> Callable[[_T], _T]: ...
+
+
+@overload
+def jaxtyped(fn: type[_T], *, typechecker: Any = _sentinel) -> type[_T]: ...
+
+
+@overload
+def jaxtyped(
+    fn: Callable[_Params, _Return], *, typechecker: Any = _sentinel
+) -> Callable[_Params, _Return]: ...
+
+
+@overload
+def jaxtyped(fn: Literal["context"]) -> AbstractContextManager[None]: ...
 
 
 def jaxtyped(fn: Any = _sentinel, *, typechecker: Any = _sentinel) -> Any:

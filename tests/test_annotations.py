@@ -6,11 +6,12 @@ import textwrap
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
 from jax import Array
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxshard
 from jaxshard import Float, Int, Shaped
@@ -242,3 +243,15 @@ def test_plain_isinstance(explicit_mesh):
     assert isinstance(put((8, 4), explicit_mesh, P("dp")), ann)
     assert not isinstance(put((8, 4), explicit_mesh, P("tp")), ann)
     assert not isinstance(jax.numpy.ones((8, 4), jax.numpy.int32), ann)
+
+
+def test_compact_syntax_inside_the_subscript(explicit_mesh):
+    """`Float[Array, "[batch/dp] d"]`: the compact syntax as a subscript, which static
+    type checkers read as a type (see tests/static_types.py)."""
+    ann = Float[Array, "[batch/dp] d"]
+    assert jaxshard.partition_spec(ann) == P("dp", None)
+    assert ann.dim_str == "batch d" and ann.dtype is jaxshard.Float
+    assert repr(ann) == repr(jaxshard.sharded(Float, "[batch/dp] d"))
+    x = jax.device_put(jnp.ones((8, 4)), NamedSharding(explicit_mesh, P("dp")))
+    assert isinstance(x, ann)
+    assert not isinstance(jax.device_put(x, NamedSharding(explicit_mesh, P())), ann)
