@@ -287,7 +287,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         values = _values(args.values)
         mesh = _make_mesh(axes, args.topology, args.axis_types)
         import jaxshard
+        from jaxshard._signature import stray_dims
 
+        if stray := stray_dims(fn, dims):
+            raise ValueError(stray)
         jaxshard.abstract_args(fn, mesh, dims, dtypes, values=values)
     except (ValueError, ImportError) as e:
         parser.error(_for_the_command_line(str(e).splitlines()[0]))
@@ -330,7 +333,6 @@ _OPTIONS = [
         "Give them with --dim NAME=SIZE (NAME=S1,S2 for a variadic dimension)",
     ),
     (r"Pass it in `values=\{\.\.\.\}`", "Give it with --values PARAM=MODULE:OBJECT"),
-    (r"`dims` names", "--dim names"),
     (r"`dtypes` asks for", "--dtype asks for"),
     (r"`dtypes` names", "--dtype names"),
     (r"`values` names", "--values names"),

@@ -39,6 +39,7 @@ import sys
 import threading
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -248,18 +249,51 @@ def checked_call() -> tuple[str, dict[str, Any], Any] | None:
     `jaxtyping.jaxtyped` call on the stack. Found by looking for jaxtyping's wrapper
     frame, so it serves jaxtyping's own `jaxtyped`, jaxshard's and the import hook.
     """
-    frame = sys._getframe(1)
+    for local in _wrapper_frames():
+        bound = local.get("bound")
+        arguments = dict(bound.arguments) if bound is not None else {}
+        return function_name(local.get("fn")), arguments, local.get("out")
+    return None
+
+
+def checked_calls() -> tuple[tuple[str, int], ...]:
+    """The `jaxtyped` calls on this thread's stack, outermost first, as
+    `(qualified name, call token)`: a number that tells one call from another (the
+    same for the checks of its parameters and of its return value)."""
+    calls = [
+        (function_name(local.get("fn")), _token(local.get("bound")))
+        for local in _wrapper_frames()
+    ]
+    return tuple(reversed(calls))
+
+
+def _wrapper_frames():
+    """The locals of jaxtyping's wrapper frames on the stack, innermost first."""
+    frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
         if (code.co_name, code.co_filename) == _WRAPPER_CODE:
-            local = frame.f_locals
-            fn = local.get("fn")
-            name = function_name(fn)
-            bound = local.get("bound")
-            arguments = dict(bound.arguments) if bound is not None else {}
-            return name, arguments, local.get("out")
+            yield frame.f_locals
         frame = frame.f_back
-    return None
+
+
+_tokens: dict[int, tuple[Any, int]] = {}
+_next_token = iter(range(1, sys.maxsize))
+
+
+def _token(bound: Any) -> int:
+    # A call's `BoundArguments` lives as long as the call: its id, checked against
+    # a weak reference (ids are reused once it is gone), names the call.
+    if bound is None:
+        return 0
+    entry = _tokens.get(id(bound))
+    if entry is None or entry[0]() is not bound:
+        if len(_tokens) > 4096:
+            for key in [k for k, (ref, _) in _tokens.items() if ref() is None]:
+                del _tokens[key]
+        entry = (weakref.ref(bound), next(_next_token))
+        _tokens[id(bound)] = entry
+    return entry[1]
 
 
 # --- the check accumulator ----------------------------------------------------------

@@ -10,6 +10,7 @@ call that compiled the program (see `_on_compile`).
 import contextlib
 import dataclasses
 import functools as ft
+import itertools
 import math
 import threading
 from collections.abc import Iterator
@@ -21,7 +22,13 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from . import _config
 from ._errors import ShardingError
-from ._jax_internals import bind_probe, checked_call, context_mesh, is_batched
+from ._jax_internals import (
+    bind_probe,
+    checked_call,
+    checked_calls,
+    context_mesh,
+    is_batched,
+)
 from ._spec import axes_of, format_spec
 
 
@@ -279,7 +286,58 @@ class Site:
     ndim: int
     axis_types: dict  # of the mesh at trace time: the compiled program's mesh has none
     recorder: Any = None  # a `_verify.Recorder`, while `jaxshard.verify` runs
-    order: int = 0  # in the recorder: the order in which the checks were traced
+    order: int = 0  # the order in which the checks were traced
+    calls: tuple = ()  # the jaxtyped calls around the check, outermost first
+    value: int = 0  # which traced value was checked (its id, while traced)
+
+
+_orders = itertools.count(1)
+
+
+def call_numbers(sites: list[Site]) -> dict[int, tuple[int, int]]:
+    """Call token -> `(k, n)`: the k-th of the n calls of its function among the
+    calls that `sites` (every check of one program) were made in, in program
+    order."""
+    tokens: dict[str, list[int]] = {}
+    for site in sorted(sites, key=lambda s: s.order):
+        for function, token in site.calls:
+            seen = tokens.setdefault(function, [])
+            if token not in seen:
+                seen.append(token)
+    return {
+        token: (k, len(seen))
+        for seen in tokens.values()
+        for k, token in enumerate(seen, 1)
+    }
+
+
+def describe_call(
+    site: Site, numbers: dict[int, tuple[int, int]], short: bool = False, within=None
+) -> str:
+    """`Block.__call__ #5 of 8 (in Decoder.__call__)`: the function a check was
+    made in, which of its calls, and the jaxtyped calls around it (by qualified
+    name without the module, if `short`; those around `within`, the function being
+    verified, left out)."""
+
+    def label(function: Any, token: int) -> str:
+        name = getattr(function, "qualname", function) if short else str(function)
+        k, n = numbers.get(token, (1, 1))
+        return f"{name} #{k} of {n}" if n > 1 else name
+
+    calls = site.calls
+    names = [str(f) for f, _ in calls]
+    if within is not None and str(within) in names:
+        calls = calls[names.index(str(within)) :]
+    if not calls:
+        function = site.function
+        return str(getattr(function, "qualname", function) if short else function)
+    *outer, inner = calls
+    while within is not None and outer and str(outer[0][0]) == str(within):
+        outer = outer[1:]  # the verified function (decorated or not, or both)
+    text = label(*inner)
+    if outer:
+        text += " (in " + " in ".join(label(*c) for c in reversed(outer)) + ")"
+    return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,25 +346,33 @@ class Violation:
     actual: Any  # the sharding XLA chose
     reason: str
     thread: int  # that compiled the program, to which the violation is reported
+    call: str = ""  # `describe_call` of the site, once the program's calls are known
+    also: tuple = ()  # later checks of the same value, as "function, parameter 'x'"
 
     def __str__(self):
         site = self.site
+        function = self.call or site.function
         if site.function is None:
             what = "a value checked with isinstance outside any jaxtyped function"
         elif site.name == "return":
-            what = f"{site.function}, the return value"
+            what = f"{function}, the return value"
         else:
-            what = f"{site.function}, parameter {site.name!r}"
-        return f"{what} ({site.array}, annotated {site.annotation}): {self.reason}"
+            what = f"{function}, parameter {site.name!r}"
+        also = f" (passed on to {'; '.join(self.also)})" if self.also else ""
+        return (
+            f"{what}{also} ({site.array}, annotated {site.annotation}): {self.reason}"
+        )
 
 
 _lock = threading.Lock()
 _pending: list[Violation] = []
+_checked: dict[int, list[Site]] = {}  # thread -> the sites its compiles checked
 _compiling: dict[int, int] = {}  # thread id -> how many compiles it has under way
 
 
 def _site(annotation, x, aval, recorder=None) -> Site:
     function, name = where(x)
+    calls = checked_calls() if _naming.current is None else ()
     return Site(
         function=function,
         name=name,
@@ -318,7 +384,9 @@ def _site(annotation, x, aval, recorder=None) -> Site:
             zip(aval.sharding.mesh.axis_names, aval.sharding.mesh.axis_types)
         ),
         recorder=recorder,
-        order=0 if recorder is None else recorder.next_order(),
+        order=next(_orders),
+        calls=calls,
+        value=id(x),
     )
 
 
@@ -361,14 +429,17 @@ def _on_sharding(
         reason = "after XLA's sharding propagation it " + reason
     if site.recorder is not None:
         site.recorder.add(site, sharding, reason + "." if reason else "")
-    elif reason:
-        with _lock:
-            # The compiling thread waits for XLA, so it is one of those compiling now:
-            # the one that lowered the program, or else the only one.
-            compiling = list(_compiling)
-            thread = lowered_on
-            if lowered_on not in _compiling and len(compiling) == 1:
-                (thread,) = compiling
+        return
+    with _lock:
+        # The compiling thread waits for XLA, so it is one of those compiling now:
+        # the one that lowered the program, or else the only one.
+        compiling = list(_compiling)
+        thread = lowered_on
+        if lowered_on not in _compiling and len(compiling) == 1:
+            (thread,) = compiling
+        # Every check, passing or not, for numbering the calls of each function.
+        _checked.setdefault(thread, []).append(site)
+        if reason:
             _pending.append(Violation(site, sharding, reason + ".", thread))
 
 
@@ -385,9 +456,39 @@ def take_violations(thread: int | None = None) -> list[Violation]:
     with _lock:
         mine = [v for v in _pending if v.thread == thread or v.thread not in alive]
         _pending[:] = [v for v in _pending if v not in mine]
-    # A parameter is checked twice by jaxtyping (with the parameters, and again with
-    # the return value): report each distinct failure once.
-    return list({str(v): v for v in mine}.values())
+        sites = []
+        for t in [t for t in _checked if t == thread or t not in alive]:
+            sites += _checked.pop(t)
+    return in_program_order(mine, sites)
+
+
+def in_program_order(violations: list[Violation], sites: list[Site]) -> list:
+    """`violations` in the order their checks were traced, each with its call
+    (`Block.__call__ #5 of 8`), and each value once: a value passed on from one
+    annotated function to another is reported where it was checked first, with
+    where else it went."""
+    numbers = call_numbers(sites + [v.site for v in violations])
+    out: list[Violation] = []
+    first: dict[tuple, int] = {}
+    for v in sorted(violations, key=lambda v: v.site.order):
+        v = dataclasses.replace(v, call=describe_call(v.site, numbers))
+        key = (v.site.value, v.site.spec, v.site.array)
+        if key in first:
+            kept = out[first[key]]
+            if (v.call, v.site.name) == (kept.call, kept.site.name):
+                continue  # jaxtyping checks a parameter twice: once is enough
+            name = (
+                "the return value"
+                if v.site.name == "return"
+                else (f"parameter {v.site.name!r}")
+            )
+            also = f"{v.call}, {name}"
+            if also not in kept.also:
+                out[first[key]] = dataclasses.replace(kept, also=(*kept.also, also))
+            continue
+        first[key] = len(out)
+        out.append(v)
+    return out
 
 
 def _on_compile_start(event: str, start: float, **kwargs) -> None:
@@ -423,9 +524,14 @@ def format_violations(violations: list[Violation], program: str) -> str:
     count = len(violations)
     head = (
         f"{count} sharding contract{'s' if count > 1 else ''} violated in {program}, "
-        "found when XLA compiled it:"
+        "found when XLA compiled it"
     )
-    return "\n".join([head, *(f"- {v}" for v in violations)])
+    if count > 1:
+        head += (
+            " (in program order: the first is the likely cause, and the later ones "
+            "may follow from it)"
+        )
+    return "\n".join([head + ":", *(f"- {v}" for v in violations)])
 
 
 jax.monitoring.register_scalar_listener(_on_compile_start)

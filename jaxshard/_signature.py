@@ -205,6 +205,21 @@ def _array_annotations(annotation: Any, seen: set | None = None) -> list:
     return out
 
 
+def stray_dims(fn: Callable, dims: Mapping[str, Any]) -> str:
+    """Why `dims` names a dimension that no annotation of `fn` uses ("" if none
+    does): for the command line, where a stray `--dim` is a typo. (The Python API
+    takes one `dims` for several functions.)"""
+    known = _dimension_names(signature(fn)[1].values())
+    stray = sorted(set(dims) - known)
+    if not stray:
+        return ""
+    return (
+        f"--dim names {', '.join(map(repr, stray))}, which no annotation of "
+        f"{_name(fn)} uses; its dimensions are "
+        f"{', '.join(map(repr, sorted(known))) or 'none'}"
+    )
+
+
 def _dimension_names(annotations: Any) -> set[str]:
     """The keys `dims` may have for these annotations: named and variadic dimensions,
     the expressions of symbolic ones and the names in them."""
@@ -468,14 +483,6 @@ def _bound_inputs(
     sig, hints = signature(fn)
     dims = dict(dims or {})
     values = dict(values or {})
-    known = _dimension_names(hints.values())
-    stray = sorted(set(dims) - known)
-    if stray:
-        raise ValueError(
-            f"{what}: `dims` names {', '.join(map(repr, stray))}, which no annotation "
-            f"of {_name(fn)} uses; its dimensions are "
-            f"{', '.join(map(repr, sorted(known))) or 'none'}."
-        )
     unknown = sorted(set(values) - set(sig.parameters))
     if unknown:
         raise ValueError(

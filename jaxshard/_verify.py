@@ -29,7 +29,14 @@ from ._errors import (
     TypeCheckError,
 )
 from ._jax_internals import function_name, is_sharding_type_error, jit_parameters
-from ._sharding import describe_mesh, describe_sharding, naming, Site
+from ._sharding import (
+    call_numbers,
+    describe_call,
+    describe_mesh,
+    describe_sharding,
+    naming,
+    Site,
+)
 from ._signature import _bound_inputs, _name, _tree, signature
 from ._spec import format_spec
 
@@ -45,7 +52,9 @@ def checked_by_jaxshard(fn: Callable) -> Callable:
     import beartype
 
     check = ft.partial(jaxtyped, typechecker=beartype.beartype)
-    if jit_parameters(fn) is not None or inspect.isfunction(fn) or inspect.ismethod(fn):
+    named = str(getattr(fn, "__name__", "")).isidentifier()  # not a lambda
+    function = inspect.isfunction(fn) or inspect.ismethod(fn)
+    if jit_parameters(fn) is not None or (function and named):
         return check(fn)
     target = inspect.unwrap(fn)
 
@@ -53,6 +62,8 @@ def checked_by_jaxshard(fn: Callable) -> Callable:
     def through(*args, **kwargs):
         return fn(*args, **kwargs)
 
+    if not named:
+        through.__name__ = through.__qualname__ = "function"
     return check(through)
 
 
@@ -74,6 +85,10 @@ class Row:
     - `ok`: whether the two agree.
     - `reason`: what is wrong, as a sentence; `""` when `ok`.
     - `annotation`, `array`: the annotation and the value's dtype and shape, as text.
+    - `call`: for a violation, which call of the function it happened in and the
+        annotated calls around it, e.g. `"Block.__call__ #5 of 8 (in
+        Decoder.__call__)"`; `""` for a contract that holds (its row stands for
+        every call).
     """
 
     function: str | None
@@ -84,6 +99,7 @@ class Row:
     reason: str
     annotation: str
     array: str
+    call: str = ""
 
     @property
     def actual_spec(self) -> str:
@@ -181,7 +197,7 @@ class Report:
         for r in self.rows:
             table.append(
                 (
-                    r.function or "(isinstance)",
+                    r.call or r.function or "(isinstance)",
                     r.name or "",
                     r.array,
                     format_spec(r.expected),
@@ -217,12 +233,13 @@ class Report:
 
 
 def _violation(row: Row) -> str:
+    function = row.call or row.function
     if row.function is None:
         what = "a value checked with isinstance outside any jaxtyped function"
     elif row.name == "return":
-        what = f"{row.function}, the return value"
+        what = f"{function}, the return value"
     else:
-        what = f"{row.function}, parameter {row.name!r}"
+        what = f"{function}, parameter {row.name!r}"
     return f"{what} ({row.array}, annotated {row.annotation}): {row.reason}"
 
 
@@ -250,38 +267,46 @@ class Recorder:
     """Collects every sharding check made while `verify` traces and compiles. Checks
     made at compile time report from XLA's threads, hence the lock."""
 
-    def __init__(self):
+    def __init__(self, function: Any = None):
         self._lock = threading.Lock()
-        self._order = 0
-        self._found: dict[tuple, tuple[int, Row]] = {}
+        self._checks: list[tuple[Site, Any, str]] = []
+        self.function = function  # the verified function, left out of call chains
 
-    def next_order(self) -> int:
-        with self._lock:
-            self._order += 1
-            return self._order
+    def next_order(self) -> int:  # the sites' own order is global
+        return 0
 
     def add(self, site: Site, actual: Any, reason: str) -> None:
-        row = Row(
-            function=getattr(site.function, "qualname", site.function),
-            name=site.name,
-            expected=site.spec,
-            actual=actual,
-            ok=not reason,
-            reason=reason,
-            annotation=site.annotation,
-            array=_SHARDING_IN_TYPE.sub("", site.array),  # the table shows it apart
-        )
-        key = (row.function, row.name, row.annotation, row.array, row.reason)
         with self._lock:
-            if key not in self._found or site.order < self._found[key][0]:
-                self._found[key] = (site.order, row)
+            self._checks.append((site, actual, reason))
 
     def rows(self) -> tuple[Row, ...]:
-        return tuple(row for _, row in sorted(self._found.values(), key=_first))
+        """One row per distinct contract and outcome, in program order; a violation
+        also per call it happened in."""
+        numbers = call_numbers([site for site, _, _ in self._checks])
+        found: dict[tuple, Row] = {}
+        for site, actual, reason in sorted(self._checks, key=lambda c: c[0].order):
+            row = Row(
+                function=_qualname(site.function),
+                name=site.name,
+                expected=site.spec,
+                actual=actual,
+                ok=not reason,
+                reason=reason,
+                annotation=site.annotation,
+                array=_SHARDING_IN_TYPE.sub("", site.array),  # the table shows it apart
+                call=(
+                    describe_call(site, numbers, short=True, within=self.function)
+                    if reason
+                    else ""
+                ),
+            )
+            key = (row.function, row.name, row.annotation, row.array, row.reason)
+            found.setdefault((*key, row.call), row)
+        return tuple(found.values())
 
 
-def _first(item: tuple[int, Row]) -> int:
-    return item[0]
+def _qualname(function: Any) -> str | None:
+    return getattr(function, "qualname", function)
 
 
 def _is_input(value: Any) -> bool:
@@ -381,7 +406,7 @@ def verify(
         return out
 
     program.__name__ = program.__qualname__ = name.rsplit(".", 1)[-1]
-    recorder = Recorder()
+    recorder = Recorder(qualname)
     with (
         jax.set_mesh(mesh),
         _config.overriding(sharding="check", recorder=recorder),

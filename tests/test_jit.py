@@ -1,5 +1,7 @@
 """Inside `jax.jit`: at trace time on Explicit meshes, at compile time on Auto ones."""
 
+import re
+
 import beartype
 import jax
 import jax.numpy as jnp
@@ -346,3 +348,68 @@ def test_lowered_in_one_thread_compiled_in_another(auto_mesh):
     t.join()
     assert outcome == ["raised"]
     jnp.ones(3) + 1  # nothing left over for this thread's next compile
+
+
+@jaxshard.jaxtyped(typechecker=beartype.beartype)
+def block(
+    x: Float[Array, "b d", P("dp", None)], w: Float[Array, "d d", P(None, "tp")]
+) -> Float[Array, "b d", P("dp", None)]:
+    return jnp.tanh(x @ w) @ w.T
+
+
+@jaxshard.jaxtyped(typechecker=beartype.beartype)
+def decoder(
+    x: Float[Array, "b d", P("dp", None)], ws: list[Float[Array, "d d"]]
+) -> Float[Array, "b d", P("dp", None)]:
+    for w in ws:  # eight calls of the same function
+        x = block(x, w)
+    return x
+
+
+def decoder_inputs(mesh, bad_layer):
+    good, bad = NamedSharding(mesh, P(None, "tp")), NamedSharding(mesh, P("tp", None))
+    ws = [
+        jax.device_put(jnp.ones((16, 16)), bad if i == bad_layer else good)
+        for i in range(8)
+    ]
+    return jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("dp"))), ws
+
+
+def test_violations_name_the_call_in_program_order(auto_mesh):
+    """Which call of a function (a layer in a loop) each violation is in, in
+    program order, the first marked as the likely cause."""
+    x, ws = decoder_inputs(auto_mesh, bad_layer=4)
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jax.jit(decoder)(x, ws)
+    lines = str(e.value).splitlines()
+    assert "in program order: the first is the likely cause" in lines[0]
+    found = [re.search(r"block #(\d) of 8", line) for line in lines[1:]]
+    assert all(found), lines
+    calls = [int(m.group(1)) for m in found]
+    assert calls == sorted(calls) and 5 in calls
+    assert any("block #5 of 8 (in test_jit.decoder), parameter 'w'" in x for x in lines)
+    report = jaxshard.verify(
+        decoder, mesh=auto_mesh, values={"x": x, "ws": ws}, raise_on_error=False
+    )
+    bad = [r for r in report.violations if r.name == "w"]
+    assert [r.call for r in bad] == ["block #5 of 8"]
+    assert all(r.call for r in report.violations)
+    assert all(not r.call for r in report.rows if r.ok)
+
+
+def test_a_value_passed_on_is_reported_once(auto_mesh):
+    """A mis-sharded array checked by an annotated function and again by the one it
+    is passed to is one violation, which says where it went."""
+
+    @jaxshard.jaxtyped(typechecker=beartype.beartype)
+    def outer(
+        x: Float[Array, "b d", P("dp", None)], w: Float[Array, "d d", P(None, "tp")]
+    ) -> Float[Array, "b d", P("dp", None)]:
+        return block(x, w)
+
+    x, ws = decoder_inputs(auto_mesh, bad_layer=0)
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jax.jit(outer)(x, ws[0])
+    message = str(e.value)
+    assert message.count("parameter 'w'") == 2  # once, and where it was passed on to
+    assert "outer, parameter 'w' (passed on to test_jit.block (in " in message
