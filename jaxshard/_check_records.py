@@ -554,16 +554,20 @@ def shard_map_checks() -> Iterator[ShardMapFrame]:
 # --- checks no `checked` call owns ----------------------------------------------------
 
 
-def _fallback(site: Site, row: tuple) -> None:
+def _fallback(site: Site, row: tuple, in_shard_map: bool = False) -> None:
     count, element, device, _, words = row
+    # Inside shard_map every device has the same statistics: one of them reports.
+    me = jnp.zeros((), jnp.int32)
+    for axis, size in site.device_axes if in_shard_map else ():
+        me = me * size + jax.lax.axis_index(axis)
     jax.debug.callback(
-        ft.partial(_raise_from_callback, site), count, element, device, *words
+        ft.partial(_raise_from_callback, site), me, count, element, device, *words
     )
 
 
-def _raise_from_callback(site: Site, count, element, device, *words) -> None:
+def _raise_from_callback(site: Site, me, count, element, device, *words) -> None:
     count = np.asarray(count)
-    if not count.any():
+    if not count.any() or np.asarray(me).ravel()[0] != 0:
         return
     # Under vmap the callback sees the batch: report its first failing element.
     flat = np.flatnonzero(count.ravel() > 0)[0]

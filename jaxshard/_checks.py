@@ -280,11 +280,21 @@ def _check_many(entries: list[tuple], filename: str, lineno: int) -> None:
     frame = _frames.stack[-1] if _frames.stack else None
     if frame is not None and sites[0].device_axes:
         frame.add(sites, rows)
+    elif sites[0].device_axes and scope is not None:
+        raise RuntimeError(
+            f"jaxshard.check at {filename}:{lineno} is inside a `jax.shard_map` body, "
+            f"and {getattr(scope, 'name', 'a jaxshard.checked function')} runs it "
+            "under `jaxshard.checked`: its flags cannot leave a shard_map that "
+            "jaxshard did not make. Use `jaxshard.shard_map` instead (it takes the "
+            "same arguments, and can read in_specs and out_specs from annotations): "
+            "the check then reports once, with the failing device. Or make the check "
+            "outside the shard_map."
+        )
     elif isinstance(scope, Frame):
         scope.add(sites, rows)
     elif scope is None:
         for site, row in zip(sites, rows):
-            _fallback(site, row)
+            _fallback(site, row, in_shard_map=bool(site.device_axes))
     else:
         _record(scope, sites, rows)
 

@@ -816,3 +816,45 @@ def test_donated_state_and_a_copy():
     assert given.is_deleted()
     assert not backup.is_deleted()
     np.testing.assert_array_equal(backup, jnp.ones(4))
+
+
+@pytest.mark.parametrize("jitted", [True, False])
+def test_check_inside_raw_shard_map_under_checked_is_refused(jitted, mesh):
+    """Under `checked`, a check inside a plain `jax.shard_map` cannot report: it is
+    refused while tracing, with what to use instead, on Auto and Explicit meshes."""
+
+    def local(x):
+        jaxshard.check(x < 50, "raw {v}", v=x)
+        return x
+
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    f = jaxshard.checked(jax.jit(mapped) if jitted else lambda x: jax.jit(mapped)(x))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("dp")))
+    with pytest.raises(RuntimeError, match="Use `jaxshard.shard_map` instead"):
+        f(x)
+    g = jaxshard.checked(
+        jax.jit(
+            jaxshard.shard_map(local, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+        )
+    )
+    (found,) = failures(g, x + 48)
+    assert found.message == "raw 50.0" and found.device == {"dp": 1, "tp": 0}
+
+
+def test_the_fallback_reports_once_from_a_raw_shard_map(explicit_mesh, capfd):
+    def local(x):
+        jaxshard.check(x < 50, "raw {v}", v=x)
+        return x
+
+    f = jax.jit(
+        jax.shard_map(local, mesh=explicit_mesh, in_specs=P("dp"), out_specs=P("dp"))
+    )
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(explicit_mesh, P("dp")))
+    with pytest.raises(Exception, match="raw") as e:
+        jax.block_until_ready(f(x + 50))
+        jax.effects_barrier()
+    assert str(e.value).count("raw 50.0") == 1
+    from jax._src import dispatch
+
+    dispatch.runtime_tokens.clear()
+    assert "raw" not in capfd.readouterr().err
