@@ -62,7 +62,10 @@ def tests(session, jax):
     (`CI` set) it is an error.
     """
     _install(session, jax, "test,tpu")
-    session.run("pytest", *session.posargs, env={"JAX_PLATFORMS": "cpu"})
+    # The docs' own code runs in `nox -s docs`, once.
+    session.run(
+        "pytest", "-m", "not docs", *session.posargs, env={"JAX_PLATFORMS": "cpu"}
+    )
 
 
 # The demo and the examples run on whichever Python runs nox, with the newest tested jax
@@ -112,9 +115,11 @@ def soak(session):
 
 @nox.session
 def docs(session):
-    """Builds the documentation site with `--strict`."""
-    session.install("-e", ".[docs]")
+    """Builds the documentation site with `--strict`, then runs each page's code
+    (`tests/test_docs.py`) on the newest jax that this Python can have."""
+    session.install("-e", ".[docs,test,tpu]")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
+    session.run("pytest", "-m", "docs", *session.posargs, env={"JAX_PLATFORMS": "cpu"})
 
 
 @nox.session

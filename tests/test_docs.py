@@ -14,6 +14,8 @@ import sys
 import pytest
 
 
+pytestmark = pytest.mark.docs
+
 ROOT = pathlib.Path(__file__).parent.parent
 PAGES = sorted(ROOT.glob("docs/*.md")) + [ROOT / "README.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
