@@ -1,8 +1,12 @@
-"""The documentation's code runs: each page's Python blocks, in order, as one program
-(a later block may use what an earlier one defined), on 8 simulated CPU devices.
+"""The documentation's code runs: every Python block that is a complete program (it
+starts with its imports) runs on its own, on 8 simulated CPU devices, with the
+repository's root as the working directory (for `examples.transformer`). Blocks that
+show a fragment of a larger program (a call, a decorated function) do not start with
+imports and are not run. A complete program that cannot run here says why in a
+`<!-- not run: REASON -->` line before it.
 
-A block preceded by `<!-- not run: REASON -->` is left out: a fragment that shows one
-call of a larger program, or code that needs what the docs cannot hold (a dataset).
+A block whose last statement shows an error (`f(y)  # raises jaxshard.ShardingError`)
+must raise exactly that, there.
 """
 
 import os
@@ -20,37 +24,35 @@ ROOT = pathlib.Path(__file__).parent.parent
 PAGES = sorted(ROOT.glob("docs/*.md")) + [ROOT / "README.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 NOT_RUN = re.compile(r"<!-- not run: [^>]+-->\s*$")
+RAISES = re.compile(r"#\s*raises\s+([\w.]+)")
 
 
 def blocks(page: pathlib.Path) -> list[tuple[int, str]]:
-    """`(line, code)` of each block that runs."""
+    """`(line, code)` of each block of `page` that is a complete program."""
     text = page.read_text()
     out = []
     for match in BLOCK.finditer(text):
-        before = text[: match.start()].rstrip("\n")
-        if NOT_RUN.search(before.splitlines()[-1] if before else ""):
+        before = text[: match.start()].rstrip("\n").splitlines()
+        if before and NOT_RUN.search(before[-1]):
             continue
-        out.append((text.count("\n", 0, match.start()) + 2, match.group(1)))
+        code = match.group(1)
+        lines = [x for x in code.splitlines() if x.strip() and not x.startswith("#")]
+        if lines and lines[0].startswith(("import ", "from ")):
+            out.append((text.count("\n", 0, match.start()) + 2, code))
     return out
 
 
-def program(page: pathlib.Path) -> str:
-    """The page's blocks as one script; each reports its line before it runs."""
-    parts = []
-    for line, code in blocks(page):
-        parts.append(f"print('--- block at line {line}', file=sys.stderr, flush=True)")
-        parts.append(code)
-    return "import sys\n" + "\n".join(parts)
+CASES = [(page, line, code) for page in PAGES for line, code in blocks(page)]
 
 
 @pytest.mark.parametrize(
-    "page",
-    [p for p in PAGES if blocks(p)],
-    ids=lambda p: p.relative_to(ROOT).as_posix(),
+    "page, line, code",
+    CASES,
+    ids=[f"{p.relative_to(ROOT).as_posix()}:{line}" for p, line, _ in CASES],
 )
-def test_page_runs(page, tmp_path):
-    script = tmp_path / "page.py"
-    script.write_text(program(page))
+def test_block_runs(page, line, code, tmp_path):
+    script = tmp_path / "block.py"
+    script.write_text(code)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -62,8 +64,14 @@ def test_page_runs(page, tmp_path):
         text=True,
         timeout=900,
     )
-    if run.returncode:
-        markers = re.findall(r"--- block at line (\d+)", run.stderr)
-        where = f"{page.name}:{markers[-1]}" if markers else page.name
-        tail = "\n".join(run.stderr.strip().splitlines()[-15:])
-        pytest.fail(f"the block at {where} failed:\n{tail}", pytrace=False)
+    tail = "\n".join(run.stderr.strip().splitlines()[-12:])
+    raises = RAISES.search(code.rstrip().splitlines()[-1])
+    if raises:
+        said = [
+            x for x in run.stderr.splitlines() if x.startswith(raises.group(1) + ":")
+        ]
+        assert run.returncode and said, (
+            f"the block at {page.name}:{line} should raise {raises.group(1)}:\n{tail}"
+        )
+    elif run.returncode:
+        pytest.fail(f"the block at {page.name}:{line} failed:\n{tail}", pytrace=False)
