@@ -25,7 +25,10 @@ def check_tree(tree: Any, annotation: Any = None, *, name: str | None = None) ->
     `check_tree(model)` checks them whenever it is called: every field of the Module,
     dataclass or NamedTuple, at any depth (`tuple[...]`, `list[...]`, `dict[...]`,
     `PyTree[...]` and `Optional` fields included), with one set of dimension bindings
-    for the whole tree. Eagerly it raises at once; inside `jax.jit` it checks as
+    for the whole tree. Any other class with annotated attributes is walked the same
+    way, such as a `flax.nnx.Module` whose attributes are annotated
+    `nnx.Param[Float[Array, "d f", P(None, "tp")]]` (the array a Param holds is
+    checked). Eagerly it raises at once; inside `jax.jit` it checks as
     annotations do there (at trace time on Explicit meshes, when XLA compiles on Auto
     meshes).
 
@@ -110,7 +113,11 @@ def _collect(value: Any, annotation: Any, where: str, out: list) -> None:
     `value`, walking the value's own structure."""
     if annotation is None or annotation is Any:
         return
-    if _is_array(annotation) or any(_is_array(a) for a in _arrays(annotation)):
+    if _is_variable(value):  # flax.nnx.Param and the like: check what it holds
+        inner = get_args(annotation)[0] if get_args(annotation) else annotation
+        annotation = inner if _is_array_like_annotation(inner) else annotation
+        value = value.get_value()
+    if _is_array_like_annotation(annotation):
         if not (value is None and type(None) in get_args(annotation)):
             out.append((where, annotation, value))
         return
@@ -151,6 +158,25 @@ def _collect(value: Any, annotation: Any, where: str, out: list) -> None:
     if origin is dict and isinstance(value, dict) and len(args) == 2:
         for k, v in value.items():
             _collect(v, args[1], f"{where}[{k!r}]", out)
+        return
+    if isinstance(annotation, type) and isinstance(value, annotation):
+        # Any other class whose attributes are annotated (a flax.nnx.Module, say).
+        try:
+            hints = typing.get_type_hints(type(value), include_extras=True)
+        except Exception:  # an annotation naming something out of scope
+            return
+        for name, hint in hints.items():
+            if not name.startswith("_") and hasattr(value, name):
+                _collect(getattr(value, name), hint, f"{where}.{name}", out)
+
+
+def _is_array_like_annotation(annotation: Any) -> bool:
+    return _is_array(annotation) or any(_is_array(a) for a in _arrays(annotation))
+
+
+def _is_variable(value: Any) -> bool:
+    """A `flax.nnx.Variable` (`nnx.Param`, ...), without importing flax."""
+    return type(value).__module__.startswith("flax.nnx") and hasattr(value, "get_value")
 
 
 def _fits(value: Any, option: Any) -> bool:
