@@ -7,6 +7,7 @@ has a `ShardMapFrame`. Checks that no `checked` call owns raise from a host call
 See `_jax_internals.accumulate` for how the writes leave jit, scan, vmap and autodiff.
 """
 
+import atexit
 import contextlib
 import dataclasses
 import functools as ft
@@ -43,6 +44,7 @@ from ._jax_internals import (
     accumulate,
     context_mesh,
     current_trace,
+    drop_callback_errors,
     jit_parameters,
     new_ref_in,
     new_ref_outside_traces,
@@ -565,10 +567,23 @@ def _fallback(site: Site, row: tuple, in_shard_map: bool = False) -> None:
     )
 
 
+_callback_raised = [False]
+
+
+@atexit.register
+def _at_exit() -> None:
+    # JAX keeps a failed callback's error and raises it again at exit (its own exit
+    # handler runs after this one): the failure was raised already, at the program's
+    # first sync after the call.
+    if _callback_raised[0]:
+        drop_callback_errors()
+
+
 def _raise_from_callback(site: Site, me, count, element, device, *words) -> None:
     count = np.asarray(count)
     if not count.any() or np.asarray(me).ravel()[0] != 0:
         return
+    _callback_raised[0] = True
     # Under vmap the callback sees the batch: report its first failing element.
     flat = np.flatnonzero(count.ravel() > 0)[0]
     batch = tuple(int(i) for i in np.unravel_index(flat, count.shape)) or None

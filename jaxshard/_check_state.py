@@ -336,7 +336,11 @@ def _combine_devices(count, first, picked, manual):
     def pick(x):
         return _all_reduce(jnp.where(mine, x, jnp.zeros((), x.dtype)), manual, lax.psum)
 
-    total = _all_reduce(count, manual, lax.psum)
+    # Summed over the axes the predicate differs across: along the others each device
+    # holds the same elements, which count once.
+    distinct = [(a, n) for a, n in manual if a in varying_axes(count)]
+    total = _all_reduce(count, distinct, lax.psum) if distinct else count
+    total = _all_reduce(total, manual, lax.pmax)  # the same on every device
     first_device = jnp.where(total > 0, first_device, -1).astype(jnp.int32)
     return total, pick(first), first_device, [pick(v) for v in picked]
 

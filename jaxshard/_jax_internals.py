@@ -27,7 +27,11 @@ Internals still used, and why (none has a public equivalent in these releases):
   primitive that writes `jax.Ref`s; JAX has no public way to declare that.
 - `jax.Ref._refs._buf`: a Ref's array, read and replaced without an operation (a
   dispatch per Ref per call adds up over a thousand checks).
-- `jax.jit(f)._jit_info`: a jitted function's static and donated arguments.
+- `jax.jit(f)._jit_info`: a jitted function's static and donated arguments and its
+  shardings.
+- `jax._src.dispatch.runtime_tokens`: the errors of failed host-callback checks,
+  dropped at exit so that JAX does not raise them a last time there.
+- `ShardingTypeError` (by name: JAX does not export it), to word verify's error.
 - `aval.manual_axis_type.varying`: the mesh axes a value varies over in `shard_map`.
 - jaxtyping's `_storage` (dimension bindings, the tree-structure pass of `PyTree`),
   `_decorator`'s wrapper frame (which function is being checked) and its array
@@ -511,3 +515,13 @@ def varying_axes(x) -> set[str]:
 # `__instancecheck_str__` (the reason a value fails, "" if it passes) and `_check_shape`
 # (the shape check against the dimension bindings), as of jaxtyping 0.3.11.
 ArrayMeta = type(jaxtyping.AbstractArray)
+
+
+def drop_callback_errors() -> None:
+    """Forgets the errors raised in host callbacks that JAX keeps in its runtime
+    tokens (`jax._src.dispatch.runtime_tokens`, the same on jax 0.10.2 to 0.12.0.1),
+    which it raises again at every later effects barrier and at exit: it clears the
+    tokens only when none of them failed."""
+    from jax._src import dispatch
+
+    dispatch.runtime_tokens.clear()

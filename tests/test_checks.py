@@ -858,3 +858,23 @@ def test_the_fallback_reports_once_from_a_raw_shard_map(explicit_mesh, capfd):
 
     dispatch.runtime_tokens.clear()
     assert "raw" not in capfd.readouterr().err
+
+
+def test_count_in_shard_map_over_a_replicated_axis(explicit_mesh):
+    """Inside shard_map, a block repeated along an axis (here tp) holds the same
+    elements on each of its devices: they count once."""
+
+    def local(x):
+        jaxshard.check(x < 50, "big {v}", v=x)
+        return x
+
+    f = jaxshard.checked(
+        jax.jit(
+            jaxshard.shard_map(
+                local, mesh=explicit_mesh, in_specs=P("dp"), out_specs=P("dp")
+            )
+        )
+    )
+    x = jax.device_put(jnp.arange(8.0) + 47, NamedSharding(explicit_mesh, P("dp")))
+    (found,) = failures(f, x)
+    assert found.count == 5  # 50, 51, 52, 53, 54
