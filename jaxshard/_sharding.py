@@ -372,7 +372,12 @@ _compiling: dict[int, int] = {}  # thread id -> how many compiles it has under w
 
 def _site(annotation, x, aval, recorder=None) -> Site:
     function, name = where(x)
-    calls = checked_calls() if _naming.current is None else ()
+    calls: tuple = ()
+    for function, token in checked_calls() if _naming.current is None else ():
+        # A function checked by two wrappers (decorated, and again by verify) is
+        # one call.
+        if not calls or calls[-1][0] != function:
+            calls += ((function, token),)
     return Site(
         function=function,
         name=name,
