@@ -124,12 +124,14 @@ def docs(session):
 
 @nox.session
 def lint(session):
-    """ruff, then mypy on the examples and on what static type checkers must see of
-    jaxshard's annotations (`tests/static_types.py`)."""
+    """ruff, then mypy and pyright on the examples and on what static type checkers
+    must see of jaxshard's annotations (`tests/static_types.py`)."""
     session.install("ruff")
     paths = ["jaxshard", "_jaxshard_pytestplugin.py", "tests", "examples", "benchmarks"]
     paths.append("noxfile.py")
     session.run("ruff", "check", *paths)
     session.run("ruff", "format", "--check", *paths)
-    session.install("-e", ".", "mypy", "equinox")
-    session.run("mypy", "--ignore-missing-imports", "examples", "tests/static_types.py")
+    session.install("-e", ".", "mypy", "pyright", "equinox")
+    typed = ["examples", "tests/static_types.py"]
+    session.run("mypy", "--ignore-missing-imports", *typed)
+    session.run("pyright", *typed)

@@ -17,7 +17,7 @@ as most pod code uses; `--explicit` verifies the same model on Explicit axes.
 import importlib.util
 import os
 import sys
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 # There is no TPU to run on: libtpu only compiles. JAX must not look for one.
@@ -81,7 +81,7 @@ def explicit() -> bool:
     return AxisType.Explicit in jax.sharding.get_abstract_mesh().axis_types
 
 
-def einsum(subscripts: str, *operands: Array, out: type) -> Array:
+def einsum(subscripts: str, *operands: Array, out: Any) -> Array:
     """`jnp.einsum`, with its result laid out as the annotation `out` says."""
     spec = jaxshard.partition_spec(out)
     if explicit():
