@@ -109,6 +109,7 @@ else:
         UInt32 as UInt32,
         UInt64 as UInt64,
     )
+from ._abstract import abstract_args as abstract_args
 from ._check_records import CheckError as CheckError, Failure as Failure
 from ._check_tree import check_tree as check_tree
 from ._checks import (
@@ -132,7 +133,6 @@ from ._jax_internals import TESTED_JAX as TESTED_JAX
 from ._launch import launch as launch, ProcessOutcome as ProcessOutcome
 from ._mesh import tpu_mesh as tpu_mesh
 from ._signature import (
-    abstract_args as abstract_args,
     shard_map as shard_map,
     shardings as shardings,
 )

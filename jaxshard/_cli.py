@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         values = _values(args.values)
         mesh = _make_mesh(axes, args.topology, args.axis_types)
         import jaxshard
-        from jaxshard._signature import stray_dims
+        from jaxshard._abstract import stray_dims
 
         if stray := stray_dims(fn, dims):
             raise ValueError(stray)

@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _config
+from ._abstract import _bound_inputs
 from ._array_types import partition_spec
 from ._decorator import jaxtyped
 from ._errors import (
@@ -37,7 +38,7 @@ from ._sharding import (
     naming,
     Site,
 )
-from ._signature import _bound_inputs, _name, _tree, signature
+from ._signature import _name, _tree, signature
 from ._spec import format_spec
 
 

@@ -1,0 +1,277 @@
+"""`jaxshard.abstract_args`: abstract inputs for a function, from its annotations
+(shapes from `dims`, dtypes from `dtypes`, shardings from the specs on a mesh)."""
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from . import _dims
+from ._array_types import partition_spec
+from ._errors import expect_callable
+from ._signature import (
+    _array_annotations,
+    _input_spec,
+    _listing,
+    _name,
+    _resolve_mesh,
+    _tree,
+    signature,
+)
+from ._spec import axes_of, format_spec
+
+
+def stray_dims(fn: Callable, dims: Mapping[str, Any]) -> str:
+    """Why `dims` names a dimension that no annotation of `fn` uses ("" if none
+    does): for the command line, where a stray `--dim` is a typo. (The Python API
+    takes one `dims` for several functions.)"""
+    known = _dimension_names(signature(fn)[1].values())
+    stray = sorted(set(dims) - known)
+    if not stray:
+        return ""
+    return (
+        f"--dim names {', '.join(map(repr, stray))}, which no annotation of "
+        f"{_name(fn)} uses; its dimensions are "
+        f"{', '.join(map(repr, sorted(known))) or 'none'}"
+    )
+
+
+def _dimension_names(annotations: Any) -> set[str]:
+    """The keys `dims` may have for these annotations: named and variadic dimensions,
+    the expressions of symbolic ones and the names in them."""
+    names = set()
+    for annotation in annotations:
+        for array in _array_annotations(annotation):
+            for dim in _dims.dimensions(array):
+                if dim.kind in ("named", "variadic", "symbolic"):
+                    names.add(dim.name)
+                if dim.kind == "symbolic":
+                    names.update(_dims._names(dim.name))
+    return names
+
+
+_DEFAULT_DTYPES = ("float32", "int32", "uint32", "complex64", "bool")
+
+
+def _dtype(annotation: Any, where: str, key: str, dtypes: Any, used: set) -> Any:
+    """The dtype of an input; the entry of `dtypes` that decided it goes in `used`
+    (`...` for a blanket dtype)."""
+    allowed = annotation.dtypes
+    chosen = None
+    if isinstance(dtypes, Mapping):
+        name = annotation.dtype.__name__
+        for k in (where, key, name):
+            if k in dtypes:
+                chosen = dtypes[k]
+                used.add(k)
+                break
+        else:
+            for k, v in dtypes.items():
+                if isinstance(k, type) and getattr(k, "__name__", None) == name:
+                    chosen = v
+                    used.add(k)
+    elif dtypes is not None:
+        chosen = dtypes
+        if isinstance(allowed, tuple) and np.dtype(chosen).name not in allowed:
+            chosen = None  # a blanket dtype applies where the annotation allows it
+        else:
+            used.add(...)
+    if chosen is not None:
+        chosen = np.dtype(chosen)
+        if isinstance(allowed, tuple) and chosen.name not in allowed:
+            raise ValueError(
+                f"{where}: dtypes asks for {chosen.name}, but the annotation "
+                f"{annotation!r} allows only {', '.join(allowed)}."
+            )
+        return chosen
+    if not isinstance(allowed, tuple):  # Shaped: any dtype
+        return np.dtype("float32")
+    if allowed == ("prng_key",):
+        return jax.eval_shape(jax.random.key, 0).dtype
+    for name in _DEFAULT_DTYPES:
+        if name in allowed and (name != "bool" or len(allowed) <= 2):
+            return np.dtype(name)
+    return jnp.dtype(allowed[0])
+
+
+def _bound_inputs(
+    fn: Callable,
+    mesh: Any,
+    dims: Mapping[str, Any] | None,
+    dtypes: Any,
+    values: Mapping[str, Any] | None,
+    what: str,
+) -> dict[str, Any]:
+    """Parameter name -> abstract input, for every parameter that needs a value."""
+    sig, hints = signature(fn)
+    dims = dict(dims or {})
+    values = dict(values or {})
+    unknown = sorted(set(values) - set(sig.parameters))
+    if unknown:
+        raise ValueError(
+            f"{what}: `values` names {', '.join(map(repr, unknown))}, which "
+            f"{'are not parameters' if len(unknown) > 1 else 'is not a parameter'} "
+            f"of {_name(fn)}."
+        )
+    unbound: dict[str, list[str]] = {}
+    uneven: list[str] = []
+    needs_value: list[str] = []
+    used_dtypes: set = set()
+
+    def leaf(annotation, where, default=None):
+        if annotation is None:
+            if default is None:
+                needs_value.append(where)
+            return default
+        shape, missing = _dims.shape(annotation, dims)
+        for name in missing:
+            unbound.setdefault(name, []).append(where)
+        if shape is None:
+            return None
+        spec = partition_spec(annotation)
+        sharding = None
+        if spec is not None:
+            spec = _input_spec(spec)
+            problems = _uneven(spec, shape, mesh, where)
+            uneven.extend(problems)
+            if not problems:
+                sharding = NamedSharding(mesh, spec)
+        key = where.split(".")[0].split("[")[0]
+        dtype = _dtype(annotation, where, key, dtypes, used_dtypes)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    out = {}
+    for p in sig.parameters.values():
+        if p.name in values:
+            out[p.name] = values[p.name]
+        elif p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        elif p.default is not p.empty:
+            continue  # parameters with defaults keep them
+        else:
+            out[p.name] = _tree(hints.get(p.name, Any), leaf, p.name)
+    problems = []
+    if unbound:
+        problems.append(
+            "these dimensions have no size: "
+            + "; ".join(f"{n!r} (in {', '.join(w)})" for n, w in unbound.items())
+            + ". Pass them in `dims`, e.g. dims={"
+            + ", ".join(
+                f"{n!r}: (2, 4)" if n == "..." else f"{n!r}: 8" for n in unbound
+            )
+            + "} (a tuple of sizes for a variadic dimension)"
+        )
+    if uneven:
+        problems.append("; ".join(uneven))
+    if dtypes is not None and not isinstance(dtypes, Mapping) and not used_dtypes:
+        problems.append(
+            f"`dtypes` asks for {np.dtype(dtypes).name}, which no array annotation of "
+            f"{_name(fn)} allows"
+        )
+    if isinstance(dtypes, Mapping) and set(dtypes) - used_dtypes:
+        stray = ", ".join(
+            repr(getattr(k, "__name__", k)) for k in dtypes if k not in used_dtypes
+        )
+        problems.append(
+            f"`dtypes` names {stray}, but no input of {_name(fn)} matches (a key is "
+            "a parameter's name, a tree path such as p.w1, or a dtype class such as "
+            "Float)"
+        )
+    if needs_value:
+        problems.append(
+            f"{_listing('parameter', needs_value)} no array annotation and no "
+            "default, so there is nothing to build it from. Pass it in "
+            "`values={...}`"
+        )
+    if problems:
+        raise ValueError(f"{what}: " + ". Also, ".join(problems) + ".")
+    return out
+
+
+def _uneven(spec: PartitionSpec, shape: tuple, mesh: Any, where: str) -> list[str]:
+    out = []
+    for i, entry in enumerate(spec):
+        axes = axes_of(entry)
+        missing = [a for a in axes if a not in mesh.shape]
+        if missing:
+            out.append(
+                f"{where} is sharded over mesh axis {', '.join(map(repr, missing))}, "
+                f"which the mesh (axes {', '.join(map(repr, mesh.axis_names))}) lacks"
+            )
+            continue
+        ways = math.prod(mesh.shape[a] for a in axes)
+        if i < len(shape) and shape[i] % ways:
+            out.append(
+                f"{where}: dimension {i} has size {shape[i]}, which {format_spec(spec)}"
+                f" splits {ways} ways over {'×'.join(axes)}; pick a size divisible by "
+                f"{ways}"
+            )
+    return out
+
+
+def abstract_args(
+    fn: Callable,
+    mesh: Any = None,
+    dims: Mapping[str, Any] | None = None,
+    dtypes: Any = None,
+    *,
+    values: Mapping[str, Any] | None = None,
+) -> tuple:
+    """Abstract inputs for `fn`, from its annotations: for `jit(fn).lower(*args)`.
+
+    **Arguments:**
+
+    - `fn`: a function with jaxtyping/jaxshard annotations.
+    - `mesh`: the mesh the partition specs refer to; by default the one in context.
+    - `dims`: sizes of the named dimensions, e.g. `{"batch": 1024, "seqlen": 2048}`;
+        a tuple of sizes for a variadic dimension (`{"batch": (4, 8)}`, `{"...": ()}`).
+        Symbolic dimensions (`seqlen-1`) are computed from these.
+    - `dtypes`: which dtype to use where an annotation allows several. By default
+        `Float` gives float32, `Int` int32, `UInt` uint32, `Complex` complex64 (JAX's
+        defaults), else the annotation's first dtype. A single dtype applies wherever
+        the annotation allows it; a dict maps a parameter name (or tree path such as
+        `"params.w1"`), or a dtype class (`jaxshard.Float`, or its name `"Float"`), to a
+        dtype.
+    - `values`: values for parameters that are not arrays, or to use as given.
+
+    **Returns:**
+
+    A tuple with one entry per positional parameter: a `jax.ShapeDtypeStruct` (with the
+    annotation's `NamedSharding` on `mesh`) for each array annotation, in the tree
+    structure of the annotation (tuples, NamedTuples, dataclasses, equinox Modules).
+    Parameters with defaults get their defaults.
+
+    **Raises:**
+
+    `ValueError` naming every dimension left without a size (and where it is used),
+    every sharded dimension whose size the mesh axes don't divide, and every parameter
+    with nothing to build it from. `jaxtyping.AnnotationError` for annotations that do
+    not fix a tree's structure (`PyTree[...]`).
+
+    !!! Example
+
+        ```python
+        args = jaxshard.abstract_args(step, mesh, dims={"batch": 1024, "seqlen": 2048})
+        compiled = jax.jit(step).lower(*args).compile()
+        ```
+    """
+    expect_callable("abstract_args", fn)
+    mesh = _resolve_mesh(mesh, "jaxshard.abstract_args")
+    what = f"jaxshard.abstract_args({_name(fn)})"
+    sig, _ = signature(fn)
+    bound = _bound_inputs(fn, mesh, dims, dtypes, values, what)
+    out = []
+    for p in sig.parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            out.append(bound[p.name] if p.name in bound else p.default)
+        elif p.kind is p.KEYWORD_ONLY and p.name in bound:
+            raise ValueError(
+                f"{what}: parameter {p.name!r} is keyword-only and has no default, "
+                "so it cannot be passed in a tuple of positional arguments. Give it a "
+                "default, or use jaxshard.verify, which passes it by name."
+            )
+    return tuple(out)
