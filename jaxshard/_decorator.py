@@ -180,3 +180,29 @@ def jaxtyped(fn: Any = _sentinel, *, typechecker: Any = _sentinel) -> Any:
             "above a `def` or `class`."
         )
     return _with_notes(_jaxtyping_jaxtyped(fn, typechecker), fn)
+
+
+def checked_by_jaxshard(fn: Callable) -> Callable:
+    """`fn`, with its parameters and return value checked against its annotations.
+
+    A `jax.jit` function is jitted anew around its checked function, with the same
+    static arguments and shardings, so the checks see what its `in_shardings` and
+    `out_shardings` make of the values. Any other wrapper (`equinox.filter_jit`,
+    `flax.nnx.jit`, ...) is checked around: its parameters as they go in, its return
+    value as it comes out, and every annotated function it calls."""
+    import beartype
+
+    check = ft.partial(jaxtyped, typechecker=beartype.beartype)
+    named = str(getattr(fn, "__name__", "")).isidentifier()  # not a lambda
+    function = inspect.isfunction(fn) or inspect.ismethod(fn)
+    if jit_parameters(fn) is not None or (function and named):
+        return check(fn)
+    target = inspect.unwrap(fn)
+
+    @ft.wraps(target)
+    def through(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    if not named:
+        through.__name__ = through.__qualname__ = "function"
+    return check(through)

@@ -21,6 +21,7 @@ import jaxtyping
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._array_types import partition_spec
+from ._decorator import checked_by_jaxshard
 from ._errors import AnnotationError, expect, expect_callable
 from ._jax_internals import context_mesh, in_trace
 
@@ -355,7 +356,6 @@ def shard_map(fn: Callable | None = None, mesh: Any = None, **kwargs) -> Callabl
                 )
             kwargs["out_specs"] = out
     from ._check_records import Findings, shard_map_checks
-    from ._verify import checked_by_jaxshard
 
     body = checked_by_jaxshard(fn)
 

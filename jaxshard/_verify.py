@@ -2,7 +2,6 @@
 from its annotations, and report every sharding contract with what XLA chose."""
 
 import dataclasses
-import functools as ft
 import inspect
 import json
 import os
@@ -20,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import _config
 from ._abstract import _bound_inputs
 from ._array_types import partition_spec
-from ._decorator import jaxtyped
+from ._decorator import checked_by_jaxshard
 from ._errors import (
     AnnotationError,
     expect,
@@ -29,7 +28,7 @@ from ._errors import (
     ShardingError,
     TypeCheckError,
 )
-from ._jax_internals import function_name, is_sharding_type_error, jit_parameters
+from ._jax_internals import function_name, is_sharding_type_error
 from ._sharding import (
     call_numbers,
     describe_call,
@@ -40,32 +39,6 @@ from ._sharding import (
 )
 from ._signature import _name, _tree, signature
 from ._spec import format_spec
-
-
-def checked_by_jaxshard(fn: Callable) -> Callable:
-    """`fn`, with its parameters and return value checked against its annotations.
-
-    A `jax.jit` function is jitted anew around its checked function, with the same
-    static arguments and shardings, so the checks see what its `in_shardings` and
-    `out_shardings` make of the values. Any other wrapper (`equinox.filter_jit`,
-    `flax.nnx.jit`, ...) is checked around: its parameters as they go in, its return
-    value as it comes out, and every annotated function it calls."""
-    import beartype
-
-    check = ft.partial(jaxtyped, typechecker=beartype.beartype)
-    named = str(getattr(fn, "__name__", "")).isidentifier()  # not a lambda
-    function = inspect.isfunction(fn) or inspect.ismethod(fn)
-    if jit_parameters(fn) is not None or (function and named):
-        return check(fn)
-    target = inspect.unwrap(fn)
-
-    @ft.wraps(target)
-    def through(*args, **kwargs):
-        return fn(*args, **kwargs)
-
-    if not named:
-        through.__name__ = through.__qualname__ = "function"
-    return check(through)
 
 
 # --- the report ---------------------------------------------------------------------
