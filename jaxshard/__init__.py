@@ -120,6 +120,7 @@ from ._checks import (
     deferred_checks as deferred_checks,
     flush_checks as flush_checks,
 )
+from ._collectives import Collective as Collective
 from ._config import config as config
 from ._decorator import jaxtyped as jaxtyped
 from ._errors import (
@@ -190,6 +191,7 @@ __all__ = [
     "check_range",
     "check_tree",
     "checked",
+    "Collective",
     "CheckError",
     "Complex",
     "Complex128",

@@ -2,6 +2,7 @@
 from its annotations, and report every sharding contract with what XLA chose."""
 
 import dataclasses
+import functools as ft
 import inspect
 import json
 import os
@@ -19,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import _config
 from ._abstract import _bound_inputs
 from ._array_types import partition_spec
+from ._collectives import Collective, collectives, KINDS, summary
 from ._decorator import checked_by_jaxshard
 from ._errors import (
     AnnotationError,
@@ -118,6 +120,9 @@ class Report:
     - `flops`: the compiled program's floating-point operations per device, from
         `cost_analysis()` (`None` where XLA gives none).
     - `compiled`: the `jax.stages.Compiled` program.
+    - `collectives`: every collective of the compiled program, in program order, as
+        `jaxshard.Collective`s (kind, bytes per device, mesh axes, and the line of
+        your code it came from); `collective_bytes`: their bytes per kind.
 
     `str(report)` is a table; `report.to_dict()` is plain data, for JSON.
     """
@@ -128,6 +133,14 @@ class Report:
     memory: Memory | None
     flops: float | None
     compiled: Any = dataclasses.field(repr=False, compare=False)
+
+    @ft.cached_property
+    def collectives(self) -> tuple[Collective, ...]:
+        return collectives(self.compiled.as_text(), self.mesh)
+
+    @property
+    def collective_bytes(self) -> dict[str, int]:
+        return summary(self.collectives)
 
     @property
     def violations(self) -> tuple[Row, ...]:
@@ -157,6 +170,15 @@ class Report:
             ],
             "memory": None if self.memory is None else dict(self.memory),
             "flops": self.flops,
+            "collectives": [
+                {
+                    "kind": c.kind,
+                    "bytes": c.bytes,
+                    "axes": None if c.axes is None else list(c.axes),
+                    "where": c.where,
+                }
+                for c in self.collectives
+            ],
         }
 
     def to_json(self) -> str:
@@ -203,7 +225,21 @@ class Report:
             )
         if self.flops is not None:
             lines.append(f"FLOPs per device: {self.flops:.3g}.")
+        lines += _describe_collectives(self.collectives)
         return "\n".join(lines)
+
+
+def _describe_collectives(found: tuple[Collective, ...]) -> list[str]:
+    if not found:
+        return ["Collectives: none."]
+    counts = {k: sum(c.kind == k for c in found) for k in KINDS}
+    totals = summary(found)
+    parts = [f"{k} {counts[k]} ({_bytes(totals[k])})" for k in KINDS if counts[k]]
+    lines = ["Collectives per device: " + ", ".join(parts) + "; the largest:"]
+    for c in sorted(found, key=lambda c: -c.bytes)[:5]:
+        axes = "" if c.axes is None else f" over {', '.join(c.axes) or '(none)'}"
+        lines.append(f"  {c.kind} {_bytes(c.bytes)}{axes} at {c.where}")
+    return lines
 
 
 def _violation(row: Row) -> str:

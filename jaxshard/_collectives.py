@@ -1,0 +1,247 @@
+"""The collectives of a compiled program, read from its HLO text: what kind, how many
+bytes, over which mesh axes, and the line of user code each came from (the op
+metadata's stack frame)."""
+
+import dataclasses
+import math
+import os
+import re
+import sysconfig
+from typing import Any
+
+import numpy as np
+
+
+KINDS = (
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective operation of a compiled program.
+
+    **Attributes:**
+
+    - `kind`: `"all-gather"`, `"all-reduce"`, `"reduce-scatter"`, `"all-to-all"` or
+        `"collective-permute"` (an asynchronous start/done pair counts once).
+    - `bytes`: the bytes it moves per device: the larger of its input and its output
+        on one device.
+    - `axes`: the mesh axes it spans, as told by its replica groups (or the source and
+        target pairs of a permute); `None` when they cannot be told.
+    - `filename`, `lineno`, `function`: the line of user code it came from (the
+        innermost frame outside JAX, jaxshard and installed packages); `None` when the
+        program does not say.
+    - `op_name`: JAX's name for the operation it was made for (`jit(f)/dot_general`).
+    """
+
+    kind: str
+    bytes: int
+    axes: tuple[str, ...] | None
+    filename: str | None
+    lineno: int | None
+    function: str | None
+    op_name: str
+
+    @property
+    def where(self) -> str:
+        if self.filename is None:
+            return self.op_name or "(unknown)"
+        return f"{self.filename}:{self.lineno} ({self.function})"
+
+
+_DTYPE_BYTES = {
+    "pred": 1, "s2": 1, "u2": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1,
+    "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
+    "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\dm\d\w*)?)\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
+
+
+def _size(type_text: str) -> int:
+    """Bytes of an HLO type (an array, or the arrays of a tuple)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(type_text):
+        if dtype.startswith("f8"):
+            width = 1
+        else:
+            width = _DTYPE_BYTES.get(dtype)
+            if width is None:
+                continue
+        shape = [int(d) for d in dims.split(",") if d]
+        total += width * math.prod(shape)
+    return total
+
+
+def _largest_array(type_text: str) -> int:
+    sizes = [_size(f"{dtype}[{dims}]") for dtype, dims in _ARRAY.findall(type_text)]
+    return max(sizes, default=0)
+
+
+def _table(text: str, name: str) -> dict[int, str]:
+    """A section of the module's header (`FileNames`, `StackFrames`, ...)."""
+    out: dict[int, str] = {}
+    lines = iter(text.splitlines())
+    for line in lines:
+        if line.strip() == name:
+            break
+    for line in lines:
+        m = re.match(r"(\d+) (.*)$", line.strip())
+        if not m:
+            break
+        out[int(m.group(1))] = m.group(2)
+    return out
+
+
+def _fields(text: str) -> dict[str, str]:
+    return dict(re.findall(r"(\w+)=([^\s}]+)", text))
+
+
+class _Frames:
+    """The module's stack frame tables, for the user line of an instruction."""
+
+    def __init__(self, text: str):
+        self.files = {k: v.strip('"') for k, v in _table(text, "FileNames").items()}
+        self.functions = {
+            k: v.strip('"') for k, v in _table(text, "FunctionNames").items()
+        }
+        self.locations = {
+            k: _fields(v) for k, v in _table(text, "FileLocations").items()
+        }
+        self.frames = {k: _fields(v) for k, v in _table(text, "StackFrames").items()}
+
+    def user_line(self, frame_id: int) -> tuple[str, int, str] | None:
+        seen = set()
+        while frame_id in self.frames and frame_id not in seen:
+            seen.add(frame_id)
+            frame = self.frames[frame_id]
+            location = self.locations.get(int(frame.get("file_location_id", 0)), {})
+            filename = self.files.get(int(location.get("file_name_id", 0)))
+            if filename is not None and _is_user_code(filename):
+                function = self.functions.get(int(location.get("function_name_id", 0)))
+                return filename, int(location.get("line", 0)), function or "?"
+            frame_id = int(frame.get("parent_frame_id", frame_id))
+        return None
+
+
+_LIBRARIES = tuple(
+    os.path.abspath(p) + os.sep
+    for p in {*(sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib"))}
+) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+
+
+def _is_user_code(filename: str) -> bool:
+    if filename.startswith("<"):  # generated: beartype's wrappers
+        return False
+    return not os.path.abspath(filename).startswith(_LIBRARIES)
+
+
+_IOTA = r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
+
+
+def _groups(attributes: str) -> list[list[int]] | None:
+    """The device groups of `replica_groups=` in any of XLA's three notations."""
+    m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attributes)
+    if m:
+        return [
+            [int(d) for d in g.split(",") if d]
+            for g in re.findall(r"\{([\d,]*)\}", m[1])
+        ]
+    m = re.search(
+        r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attributes
+    )
+    if m:
+        shape = [int(d) for d in m[1].split(",")]
+        dims = [int(d) for d in m[2].split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m[3]:
+            ids = ids.transpose([int(d) for d in m[3].split(",")])
+        return ids.reshape(shape[0], -1).tolist()
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
+    if m:
+        axes = re.findall(r"'(\w+)'=(\d+)", m[1])
+        names = [a for a, _ in axes]
+        sizes = [int(s) for _, s in axes]
+        spanned = [names.index(a) for a in re.findall(r"'(\w+)'", m[2])]
+        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        rest = [i for i in range(len(sizes)) if i not in spanned]
+        ids = ids.transpose(rest + spanned)
+        return ids.reshape(-1, math.prod(sizes[i] for i in spanned) or 1).tolist()
+    return None
+
+
+def _pairs(attributes: str) -> list[list[int]] | None:
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", attributes)
+    if not m:
+        return None
+    return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", m[1] + "}")]
+
+
+def _axes(groups: list[list[int]] | None, mesh: Any) -> tuple[str, ...] | None:
+    """The mesh axes along which the devices of the groups differ (device ids index
+    the mesh's devices in order)."""
+    if not groups or mesh is None:
+        return None
+    shape = mesh.devices.shape
+    if max(max(g) for g in groups if g) >= math.prod(shape):
+        return None
+    spanned = set()
+    for group in groups:
+        coords = np.array(np.unravel_index(group, shape)).T
+        for axis in range(len(shape)):
+            if len(set(coords[:, axis])) > 1:
+                spanned.add(axis)
+    return tuple(mesh.axis_names[a] for a in sorted(spanned))
+
+
+def collectives(hlo_text: str, mesh: Any = None) -> tuple[Collective, ...]:
+    """Every collective in a compiled program's HLO text, in program order."""
+    types: dict[str, str] = {}
+    found = []
+    frames = None
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, type_text, op, rest = m.groups()
+        types[name] = type_text
+        kind = op.removesuffix("-start")
+        if kind not in KINDS or op.endswith("-done"):
+            continue
+        operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+        moved = max(
+            [_largest_array(type_text)] + [_size(types.get(o, "")) for o in operands]
+        )
+        groups = _pairs(rest) if kind == "collective-permute" else _groups(rest)
+        op_name = re.search(r'op_name="([^"]*)"', rest)
+        where = None
+        frame = re.search(r"stack_frame_id=(\d+)", rest)
+        if frame:
+            frames = frames or _Frames(hlo_text)
+            where = frames.user_line(int(frame[1]))
+        elif re.search(r'source_file="([^"]*)"', rest):
+            source = re.search(r'source_file="([^"]*)" source_line=(\d+)', rest)
+            if source and _is_user_code(source[1]):
+                where = (source[1], int(source[2]), "?")
+        found.append(
+            Collective(
+                kind=kind,
+                bytes=moved,
+                axes=_axes(groups, mesh),
+                filename=where[0] if where else None,
+                lineno=where[1] if where else None,
+                function=where[2] if where else None,
+                op_name=op_name[1] if op_name else "",
+            )
+        )
+    return tuple(found)
+
+
+def summary(found: tuple[Collective, ...]) -> dict[str, int]:
+    """Bytes per kind, every kind listed."""
+    return {k: sum(c.bytes for c in found if c.kind == k) for k in KINDS}
