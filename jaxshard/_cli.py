@@ -106,6 +106,21 @@ def _parser() -> argparse.ArgumentParser:
         "PARAM=, OBJECT is a dict of parameter values. Repeatable",
     )
     verify.add_argument(
+        "--max-collectives",
+        action="append",
+        default=[],
+        metavar="KIND=N,...",
+        help="a budget of collectives per kind, e.g. all-gather=0 (kinds: all-gather, "
+        "all-reduce, reduce-scatter, all-to-all, collective-permute); more is a "
+        "violation (exit 1). Repeatable",
+    )
+    verify.add_argument(
+        "--max-collective-bytes",
+        type=int,
+        metavar="BYTES",
+        help="a budget of bytes moved per device by all collectives",
+    )
+    verify.add_argument(
         "--json", action="store_true", help="print the report as JSON instead"
     )
     return parser
@@ -147,6 +162,18 @@ def _dims(items: Sequence[str]) -> dict[str, Any]:
                 "for a variadic dimension"
             ) from None
     return dims
+
+
+def _budget(items: Sequence[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in ",".join(items).split(",") if items else ():
+        kind, sep, count = item.partition("=")
+        if not sep or not count.strip().isdigit():
+            raise ValueError(
+                f"bad --max-collectives {item!r}: write kind=count, e.g. all-gather=0"
+            )
+        out[kind.strip()] = int(count)
+    return out
 
 
 def _dtypes(items: Sequence[str]) -> Any:
@@ -285,6 +312,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         fn = _load(args.function)
         values = _values(args.values)
+        budget = _budget(args.max_collectives)
+        from jaxshard._verify import _check_budget
+
+        _check_budget(budget, args.max_collective_bytes)
         mesh = _make_mesh(axes, args.topology, args.axis_types)
         import jaxshard
         from jaxshard._abstract import stray_dims
@@ -298,7 +329,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         report = jaxshard.verify(
-            fn, mesh=mesh, dims=dims, dtypes=dtypes, values=values, raise_on_error=False
+            fn,
+            mesh=mesh,
+            dims=dims,
+            dtypes=dtypes,
+            values=values,
+            raise_on_error=False,
+            max_collectives=budget,
+            max_collective_bytes=args.max_collective_bytes,
         )
     except jaxshard.TypeCheckError as e:  # a contract that is not a sharding's
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
@@ -336,6 +374,7 @@ _OPTIONS = [
     (r"`dtypes` asks for", "--dtype asks for"),
     (r"`dtypes` names", "--dtype names"),
     (r"`values` names", "--values names"),
+    (r"jaxshard.verify: max_collectives names", "--max-collectives names"),
 ]
 
 

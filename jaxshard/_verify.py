@@ -76,9 +76,12 @@ class Row:
     annotation: str
     array: str
     call: str = ""
+    budget: tuple[str, str] | None = None  # (limit, found) of a collective budget
 
     @property
     def actual_spec(self) -> str:
+        if self.budget is not None:
+            return self.budget[1]
         return _describe(self.actual, self.expected)
 
 
@@ -161,7 +164,7 @@ class Report:
                     "function": r.function,
                     "name": r.name,
                     "array": r.array,
-                    "expected": format_spec(r.expected),
+                    "expected": r.budget[0] if r.budget else format_spec(r.expected),
                     "actual": r.actual_spec,
                     "ok": r.ok,
                     "reason": r.reason,
@@ -193,10 +196,10 @@ class Report:
         for r in self.rows:
             table.append(
                 (
-                    r.call or r.function or "(isinstance)",
+                    r.call or r.function or ("" if r.budget else "(isinstance)"),
                     r.name or "",
                     r.array,
-                    format_spec(r.expected),
+                    r.budget[0] if r.budget else format_spec(r.expected),
                     r.actual_spec,
                     "ok" if r.ok else "VIOLATED",
                 )
@@ -243,6 +246,8 @@ def _describe_collectives(found: tuple[Collective, ...]) -> list[str]:
 
 
 def _violation(row: Row) -> str:
+    if row.budget is not None:
+        return f"{row.name}: {row.reason}"
     function = row.call or row.function
     if row.function is None:
         what = "a value checked with isinstance outside any jaxtyped function"
@@ -334,6 +339,8 @@ def verify(
     dtypes: Any = None,
     values: Mapping[str, Any] | None = None,
     raise_on_error: bool = True,
+    max_collectives: Mapping[str, int] | None = None,
+    max_collective_bytes: int | None = None,
 ) -> Report:
     """Compiles `fn` for `mesh` from its annotations and checks every sharding
     contract on the way.
@@ -353,6 +360,10 @@ def verify(
         TPU pod, or a mesh of simulated CPU devices.
     - `dims`, `dtypes`, `values`: as for `jaxshard.abstract_args`. Values that hold
         no arrays are passed to `fn` as Python values (static).
+    - `max_collectives`: a budget of collectives per kind, e.g. `{"all-gather": 0}`
+        (kinds: all-gather, all-reduce, reduce-scatter, all-to-all,
+        collective-permute). More is a violation, naming the lines they came from.
+    - `max_collective_bytes`: a budget of bytes moved per device by all collectives.
     - `raise_on_error`: raise `jaxshard.ShardingError` listing every violation
         (`True`, the default), or return the report either way.
 
@@ -379,6 +390,7 @@ def verify(
         mesh,
     )
     expect(dims is None or isinstance(dims, Mapping), "verify", "dims", "a dict", dims)
+    _check_budget(max_collectives, max_collective_bytes)
     given = values is None or isinstance(values, Mapping)
     expect(given, "verify", "values", "a dict", values)
     name = _name(fn)
@@ -427,14 +439,17 @@ def verify(
             if not is_sharding_type_error(e):
                 raise
             raise ModelError(_sharding_type_error(name, mesh, e)) from e
+    found = collectives(compiled.as_text(), mesh)
+    budget = _budget_rows(found, max_collectives, max_collective_bytes)
     report = Report(
         function=name,
         mesh=mesh,
-        rows=recorder.rows(),
+        rows=recorder.rows() + budget,
         memory=_memory(compiled),
         flops=_flops(compiled),
         compiled=compiled,
     )
+    report.__dict__["collectives"] = found  # what the cached property would compute
     if raise_on_error and not report.ok:
         count = len(report.violations)
         error = ShardingError(
@@ -486,6 +501,67 @@ _POSITIONAL = (
     inspect.Parameter.POSITIONAL_ONLY,
     inspect.Parameter.POSITIONAL_OR_KEYWORD,
 )
+
+
+def _check_budget(max_collectives: Any, max_bytes: Any) -> None:
+    accepts = f"a dict of collective kinds ({', '.join(KINDS)}) to counts"
+    given = max_collectives is None or isinstance(max_collectives, Mapping)
+    expect(given, "verify", "max_collectives", accepts, max_collectives)
+    for kind, count in (max_collectives or {}).items():
+        if kind not in KINDS:
+            raise ValueError(
+                f"jaxshard.verify: max_collectives names {kind!r}, which is not a "
+                f"collective; the kinds are {', '.join(KINDS)}."
+            )
+        expect(
+            isinstance(count, int) and count >= 0,
+            "verify",
+            f"max_collectives[{kind!r}]",
+            "a count (an int, 0 or more)",
+            count,
+        )
+    fine = max_bytes is None or (isinstance(max_bytes, int) and max_bytes >= 0)
+    expect(fine, "verify", "max_collective_bytes", "a number of bytes", max_bytes)
+
+
+def _budget_rows(
+    found: tuple[Collective, ...], max_collectives: Any, max_bytes: int | None
+) -> tuple[Row, ...]:
+    """A violated row for each budget the program's collectives exceed."""
+    rows = []
+    for kind, limit in (max_collectives or {}).items():
+        these = [c for c in found if c.kind == kind]
+        if len(these) > limit:
+            rows.append(_budget_row(kind, f"<= {limit}", str(len(these)), these))
+    total = sum(c.bytes for c in found)
+    if max_bytes is not None and total > max_bytes:
+        rows.append(
+            _budget_row("bytes", f"<= {_bytes(max_bytes)}", _bytes(total), list(found))
+        )
+    return tuple(rows)
+
+
+def _budget_row(what: str, expected: str, actual: str, culprits: list) -> Row:
+    culprits = sorted(culprits, key=lambda c: -c.bytes)
+    listed = "; ".join(
+        f"{c.kind} of {_bytes(c.bytes)}"
+        + ("" if c.axes is None else f" over {', '.join(c.axes) or '(none)'}")
+        + f" at {c.where}"
+        for c in culprits[:5]
+    )
+    more = f" (and {len(culprits) - 5} more)" if len(culprits) > 5 else ""
+    noun = "bytes moved per device" if what == "bytes" else f"{what}s"
+    return Row(
+        function=None,
+        name=f"collectives: {what}",
+        expected=PartitionSpec(),
+        actual=None,
+        ok=False,
+        reason=f"{actual} {noun}, over the budget of {expected}: {listed}{more}.",
+        annotation=f"max {noun} {expected}",
+        array="",
+        budget=(expected, actual),
+    )
 
 
 class _Leaf:

@@ -203,6 +203,18 @@ def test_a_method_with_its_instance(run):
     assert code == 2 and "--values PARAM=MODULE:OBJECT" in err
 
 
+def test_collective_budgets(run):
+    """`layer` contracts over nothing: no collectives; `contracting` all-reduces."""
+    args = ["--mesh", "dp=4,tp=2", *DIMS, "--max-collectives", "all-reduce=0"]
+    code, out, _ = run("verify", "model:layer", *args)
+    assert code == 0 and "Collectives" in out
+    code, out, _ = run("verify", "model:contracting", *args)
+    assert code == 1 and "collectives: all-reduce" in out
+    assert "model.py:" in out
+    code, _, err = run("verify", "model:layer", *args[:-1], "all-gathers=0")
+    assert code == 2 and "--max-collectives names 'all-gathers'" in err
+
+
 def test_other_contract_failures_exit_1(run):
     code, _, err = run("verify", "model:wrong_shape", "--mesh", "dp=4", *BD)
     assert code == 1 and "TypeCheckError" in err
@@ -275,6 +287,8 @@ def test_help_documents_every_option(run):
         "--axis-types",
         "--json",
         "--values",
+        "--max-collectives",
+        "--max-collective-bytes",
         "Exit status: 0 when every contract holds, 1 when one is violated, 2 on a "
         "usage error, 3 when the function itself fails to trace or compile",
     ]:

@@ -107,3 +107,43 @@ def test_axes_from_groups():
     assert _collectives._axes([[0, 2, 4, 6], [1, 3, 5, 7]], Mesh) == ("dp",)
     assert _collectives._axes([list(range(8))], Mesh) == ("dp", "tp")
     assert _collectives._axes(None, Mesh) is None
+
+
+def test_budgets_fail_like_contracts(auto_mesh):
+    dims = {"b": 64, "d": 32, "f": 16}
+    ok = jaxshard.verify(
+        contract, mesh=auto_mesh, dims=dims, max_collectives={"all-gather": 0}
+    )
+    assert ok.ok and ok.collective_bytes["all-gather"] == 0
+    report = jaxshard.verify(
+        contract,
+        mesh=auto_mesh,
+        dims=dims,
+        max_collectives={"all-reduce": 1},
+        max_collective_bytes=512,
+        raise_on_error=False,
+    )
+    count, size = report.violations
+    assert count.name == "collectives: all-reduce" and not count.ok
+    assert count.reason.startswith("2 all-reduces, over the budget of <= 1")
+    assert f"{__file__}:{line_of(contract, 'y = x @ w')}" in count.reason
+    assert size.name == "collectives: bytes" and "1.1 KiB" in size.reason
+    with pytest.raises(jaxshard.ShardingError, match="collectives: all-reduce"):
+        jaxshard.verify(
+            contract, mesh=auto_mesh, dims=dims, max_collectives={"all-reduce": 0}
+        )
+    text = str(report)
+    assert "VIOLATED" in text and "<= 1" in text
+    assert report.to_dict()["rows"][-1]["expected"] == "<= 512 B"
+
+
+def test_bad_budgets(auto_mesh):
+    dims = {"b": 64, "d": 32, "f": 16}
+    with pytest.raises(ValueError, match="'all-gathers', which is not a collective"):
+        jaxshard.verify(
+            contract, mesh=auto_mesh, dims=dims, max_collectives={"all-gathers": 0}
+        )
+    with pytest.raises(TypeError, match="max_collectives\\['all-gather'\\]"):
+        jaxshard.verify(
+            contract, mesh=auto_mesh, dims=dims, max_collectives={"all-gather": -1}
+        )
