@@ -133,16 +133,12 @@ from ._errors import (
 from ._jax_internals import TESTED_JAX as TESTED_JAX
 from ._launch import launch as launch, ProcessOutcome as ProcessOutcome
 from ._mesh import tpu_mesh as tpu_mesh
+from ._report import Memory as Memory, Report as Report, Row as Row
 from ._signature import (
     shard_map as shard_map,
     shardings as shardings,
 )
-from ._verify import (
-    Memory as Memory,
-    Report as Report,
-    Row as Row,
-    verify as verify,
-)
+from ._verify import verify as verify
 
 
 __version__ = "0.2.0"

@@ -313,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fn = _load(args.function)
         values = _values(args.values)
         budget = _budget(args.max_collectives)
-        from jaxshard._verify import _check_budget
+        from jaxshard._report import _check_budget
 
         _check_budget(budget, args.max_collective_bytes)
         mesh = _make_mesh(axes, args.topology, args.axis_types)

@@ -1,0 +1,332 @@
+"""What `jaxshard.verify` returns: the report of every contract, the compiled
+program's memory, FLOPs and collectives, and the budgets checked against them."""
+
+import dataclasses
+import functools as ft
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ._collectives import Collective, collectives, KINDS, summary
+from ._errors import expect
+from ._sharding import describe_mesh, describe_sharding
+from ._spec import format_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One sharding contract, and what XLA made of it.
+
+    **Attributes:**
+
+    - `function`: the checked function's qualified name, e.g. `"mlp"` or
+        `"Block.__call__"` (`None` for an `isinstance` check outside any).
+    - `name`: the parameter, a path into it (`"params.w1"`), or `"return"`.
+    - `expected`: the annotation's `PartitionSpec`.
+    - `actual`: the sharding the value has in the compiled program (after sharding
+        propagation on Auto meshes; from the type on Explicit meshes).
+    - `ok`: whether the two agree.
+    - `reason`: what is wrong, as a sentence; `""` when `ok`.
+    - `annotation`, `array`: the annotation and the value's dtype and shape, as text.
+    - `call`: for a violation, which call of the function it happened in and the
+        annotated calls around it, e.g. `"Block.__call__ #5 of 8 (in
+        Decoder.__call__)"`; `""` for a contract that holds (its row stands for
+        every call).
+    """
+
+    function: str | None
+    name: str | None
+    expected: PartitionSpec
+    actual: Any
+    ok: bool
+    reason: str
+    annotation: str
+    array: str
+    call: str = ""
+    budget: tuple[str, str] | None = None  # (limit, found) of a collective budget
+
+    @property
+    def actual_spec(self) -> str:
+        if self.budget is not None:
+            return self.budget[1]
+        return _describe(self.actual, self.expected)
+
+
+def _describe(sharding: Any, expected: PartitionSpec) -> str:
+    if isinstance(sharding, NamedSharding):
+        spec = list(sharding.spec)
+        spec += [None] * max(0, len(expected) - len(spec))
+        while len(spec) > len(expected) and spec[-1] is None:
+            spec.pop()
+        return format_spec(PartitionSpec(*spec))
+    return describe_sharding(sharding, len(expected))
+
+
+class Memory(dict):
+    """Bytes per device of the compiled program (from `memory_analysis()`), as a dict
+    with keys `arguments`, `outputs`, `temporaries`, `aliased`, `code` and `total`
+    (arguments + outputs + temporaries - aliased), also readable as attributes."""
+
+    def __getattr__(self, name: str) -> int:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What `jaxshard.verify` found.
+
+    **Attributes:**
+
+    - `function`: the verified function's name.
+    - `mesh`: the mesh it was compiled for.
+    - `rows`: one `Row` per contract, in the order the checks were traced; a contract
+        checked several times with the same outcome (a layer called in a loop) is one
+        row.
+    - `violations`: the rows that failed; `ok`: whether there are none.
+    - `memory`: a `Memory`, the compiled program's bytes per device.
+    - `flops`: the compiled program's floating-point operations per device, from
+        `cost_analysis()` (`None` where XLA gives none).
+    - `compiled`: the `jax.stages.Compiled` program.
+    - `collectives`: every collective of the compiled program, in program order, as
+        `jaxshard.Collective`s (kind, bytes per device, mesh axes, and the line of
+        your code it came from); `collective_bytes`: their bytes per kind.
+
+    `str(report)` is a table; `report.to_dict()` is plain data, for JSON.
+    """
+
+    function: str
+    mesh: Any
+    rows: tuple[Row, ...]
+    memory: Memory | None
+    flops: float | None
+    compiled: Any = dataclasses.field(repr=False, compare=False)
+
+    @ft.cached_property
+    def collectives(self) -> tuple[Collective, ...]:
+        return collectives(self.compiled.as_text(), self.mesh)
+
+    @property
+    def collective_bytes(self) -> dict[str, int]:
+        return summary(self.collectives)
+
+    @property
+    def violations(self) -> tuple[Row, ...]:
+        return tuple(row for row in self.rows if not row.ok)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def to_dict(self) -> dict:
+        return {
+            "function": self.function,
+            "mesh": dict(self.mesh.shape),
+            "devices": _device_kind(self.mesh),
+            "ok": self.ok,
+            "rows": [
+                {
+                    "function": r.function,
+                    "name": r.name,
+                    "array": r.array,
+                    "expected": r.budget[0] if r.budget else format_spec(r.expected),
+                    "actual": r.actual_spec,
+                    "ok": r.ok,
+                    "reason": r.reason,
+                }
+                for r in self.rows
+            ],
+            "memory": None if self.memory is None else dict(self.memory),
+            "flops": self.flops,
+            "collectives": [
+                {
+                    "kind": c.kind,
+                    "bytes": c.bytes,
+                    "axes": None if c.axes is None else list(c.axes),
+                    "where": c.where,
+                }
+                for c in self.collectives
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False)
+
+    def __str__(self) -> str:
+        head = (
+            f"jaxshard.verify: {self.function} on mesh {describe_mesh(self.mesh)}, "
+            f"{_device_kind(self.mesh)}"
+        )
+        table = [("function", "value", "array", "expected", "actual", "")]
+        for r in self.rows:
+            table.append(
+                (
+                    r.call or r.function or ("" if r.budget else "(isinstance)"),
+                    r.name or "",
+                    r.array,
+                    r.budget[0] if r.budget else format_spec(r.expected),
+                    r.actual_spec,
+                    "ok" if r.ok else "VIOLATED",
+                )
+            )
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        lines = [head, ""]
+        for i, row in enumerate(table):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths).rstrip())
+        if not self.rows:
+            lines.append("(no sharding contracts were checked)")
+        lines.append("")
+        count = len(self.violations)
+        if count:
+            lines.append(f"{count} of {len(self.rows)} contracts violated:")
+            lines += [f"- {_violation(r)}" for r in self.violations]
+        else:
+            lines.append(f"All {len(self.rows)} contracts hold.")
+        if self.memory is not None:
+            m = self.memory
+            lines.append(
+                f"Memory per device: arguments {_bytes(m.arguments)}, outputs "
+                f"{_bytes(m.outputs)}, temporaries {_bytes(m.temporaries)}, total "
+                f"{_bytes(m.total)}."
+            )
+        if self.flops is not None:
+            lines.append(f"FLOPs per device: {self.flops:.3g}.")
+        lines += _describe_collectives(self.collectives)
+        return "\n".join(lines)
+
+
+def _describe_collectives(found: tuple[Collective, ...]) -> list[str]:
+    if not found:
+        return ["Collectives: none."]
+    counts = {k: sum(c.kind == k for c in found) for k in KINDS}
+    totals = summary(found)
+    parts = [f"{k} {counts[k]} ({_bytes(totals[k])})" for k in KINDS if counts[k]]
+    lines = ["Collectives per device: " + ", ".join(parts) + "; the largest:"]
+    for c in sorted(found, key=lambda c: -c.bytes)[:5]:
+        axes = "" if c.axes is None else f" over {', '.join(c.axes) or '(none)'}"
+        lines.append(f"  {c.kind} {_bytes(c.bytes)}{axes} at {c.where}")
+    return lines
+
+
+def _violation(row: Row) -> str:
+    if row.budget is not None:
+        return f"{row.name}: {row.reason}"
+    function = row.call or row.function
+    if row.function is None:
+        what = "a value checked with isinstance outside any jaxtyped function"
+    elif row.name == "return":
+        what = f"{function}, the return value"
+    else:
+        what = f"{function}, parameter {row.name!r}"
+    return f"{what} ({row.array}, annotated {row.annotation}): {row.reason}"
+
+
+def _device_kind(mesh: Any) -> str:
+    devices = mesh.devices.flat
+    kind = getattr(devices[0], "device_kind", "?")
+    return f"{mesh.devices.size} × {kind}"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _check_budget(max_collectives: Any, max_bytes: Any) -> None:
+    accepts = f"a dict of collective kinds ({', '.join(KINDS)}) to counts"
+    given = max_collectives is None or isinstance(max_collectives, Mapping)
+    expect(given, "verify", "max_collectives", accepts, max_collectives)
+    for kind, count in (max_collectives or {}).items():
+        if kind not in KINDS:
+            raise ValueError(
+                f"jaxshard.verify: max_collectives names {kind!r}, which is not a "
+                f"collective; the kinds are {', '.join(KINDS)}."
+            )
+        expect(
+            isinstance(count, int) and count >= 0,
+            "verify",
+            f"max_collectives[{kind!r}]",
+            "a count (an int, 0 or more)",
+            count,
+        )
+    fine = max_bytes is None or (isinstance(max_bytes, int) and max_bytes >= 0)
+    expect(fine, "verify", "max_collective_bytes", "a number of bytes", max_bytes)
+
+
+def _budget_rows(
+    found: tuple[Collective, ...], max_collectives: Any, max_bytes: int | None
+) -> tuple[Row, ...]:
+    """A violated row for each budget the program's collectives exceed."""
+    rows = []
+    for kind, limit in (max_collectives or {}).items():
+        these = [c for c in found if c.kind == kind]
+        if len(these) > limit:
+            rows.append(_budget_row(kind, f"<= {limit}", str(len(these)), these))
+    total = sum(c.bytes for c in found)
+    if max_bytes is not None and total > max_bytes:
+        rows.append(
+            _budget_row("bytes", f"<= {_bytes(max_bytes)}", _bytes(total), list(found))
+        )
+    return tuple(rows)
+
+
+def _budget_row(what: str, expected: str, actual: str, culprits: list) -> Row:
+    culprits = sorted(culprits, key=lambda c: -c.bytes)
+    listed = "; ".join(
+        f"{c.kind} of {_bytes(c.bytes)}"
+        + ("" if c.axes is None else f" over {', '.join(c.axes) or '(none)'}")
+        + f" at {c.where}"
+        for c in culprits[:5]
+    )
+    more = f" (and {len(culprits) - 5} more)" if len(culprits) > 5 else ""
+    noun = "bytes moved per device" if what == "bytes" else f"{what}s"
+    return Row(
+        function=None,
+        name=f"collectives: {what}",
+        expected=PartitionSpec(),
+        actual=None,
+        ok=False,
+        reason=f"{actual} {noun}, over the budget of {expected}: {listed}{more}.",
+        annotation=f"max {noun} {expected}",
+        array="",
+        budget=(expected, actual),
+    )
+
+
+def _memory(compiled: Any) -> Memory | None:
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # not every backend implements it
+        return None
+    if stats is None:
+        return None
+    out = Memory(
+        arguments=stats.argument_size_in_bytes,
+        outputs=stats.output_size_in_bytes,
+        temporaries=stats.temp_size_in_bytes,
+        aliased=stats.alias_size_in_bytes,
+        code=stats.generated_code_size_in_bytes,
+    )
+    out["total"] = out.arguments + out.outputs + out.temporaries - out.aliased
+    return out
+
+
+def _flops(compiled: Any) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:
+        return None
+    if isinstance(cost, list):  # older jax: one dict per program
+        cost = cost[0] if cost else None
+    if not cost or "flops" not in cost:
+        return None
+    return float(cost["flops"])
