@@ -121,6 +121,13 @@ def _parser() -> argparse.ArgumentParser:
         help="a budget of bytes moved per device by all collectives",
     )
     verify.add_argument(
+        "--hbm-budget",
+        type=int,
+        metavar="BYTES",
+        help="bytes of memory per device the program may use; more, or more than a "
+        "device of the TPU generation has (always checked), is a violation (exit 1)",
+    )
+    verify.add_argument(
         "--json", action="store_true", help="print the report as JSON instead"
     )
     return parser
@@ -315,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         budget = _budget(args.max_collectives)
         from jaxshard._report import _check_budget
 
-        _check_budget(budget, args.max_collective_bytes)
+        _check_budget(budget, args.max_collective_bytes, args.hbm_budget)
         mesh = _make_mesh(axes, args.topology, args.axis_types)
         import jaxshard
         from jaxshard._abstract import stray_dims
@@ -337,6 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise_on_error=False,
             max_collectives=budget,
             max_collective_bytes=args.max_collective_bytes,
+            hbm_budget=args.hbm_budget,
         )
     except jaxshard.TypeCheckError as e:  # a contract that is not a sharding's
         print(f"{type(e).__name__}: {e}", file=sys.stderr)

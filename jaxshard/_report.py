@@ -67,7 +67,9 @@ def _describe(sharding: Any, expected: PartitionSpec) -> str:
 class Memory(dict):
     """Bytes per device of the compiled program (from `memory_analysis()`), as a dict
     with keys `arguments`, `outputs`, `temporaries`, `aliased`, `code` and `total`
-    (arguments + outputs + temporaries - aliased), also readable as attributes."""
+    (arguments + outputs + temporaries - aliased), also readable as attributes;
+    `hbm_bytes`, the memory of one device of the mesh's TPU generation (`None` on
+    other devices), and `headroom`, what is left of it (`None` likewise)."""
 
     def __getattr__(self, name: str) -> int:
         try:
@@ -88,7 +90,9 @@ class Report:
         checked several times with the same outcome (a layer called in a loop) is one
         row.
     - `violations`: the rows that failed; `ok`: whether there are none.
-    - `memory`: a `Memory`, the compiled program's bytes per device.
+    - `memory`: a `Memory`, the compiled program's bytes per device, with the HBM of
+        a device of the mesh's TPU generation and the headroom; `fits`: whether the
+        program fits in it (`None` off TPUs).
     - `flops`: the compiled program's floating-point operations per device, from
         `cost_analysis()` (`None` where XLA gives none).
     - `compiled`: the `jax.stages.Compiled` program.
@@ -106,8 +110,19 @@ class Report:
     flops: float | None
     compiled: Any = dataclasses.field(repr=False, compare=False)
 
+    @property
+    def fits(self) -> bool | None:
+        """Whether the program fits in one device's HBM (`None` when unknown)."""
+        if self.compiled is None:  # XLA refused it for want of memory
+            return False
+        if self.memory is None or self.memory.hbm_bytes is None:
+            return None
+        return self.memory.total <= self.memory.hbm_bytes
+
     @ft.cached_property
     def collectives(self) -> tuple[Collective, ...]:
+        if self.compiled is None:  # XLA refused to compile it
+            return ()
         return collectives(self.compiled.as_text(), self.mesh)
 
     @property
@@ -193,7 +208,17 @@ class Report:
             lines.append(
                 f"Memory per device: arguments {_bytes(m.arguments)}, outputs "
                 f"{_bytes(m.outputs)}, temporaries {_bytes(m.temporaries)}, total "
-                f"{_bytes(m.total)}."
+                f"{_bytes(m.total)}"
+                + (
+                    "."
+                    if m.hbm_bytes is None
+                    else f", of {_bytes(m.hbm_bytes)} of HBM ("
+                    + (
+                        f"{_bytes(m.headroom)} to spare)."
+                        if m.headroom >= 0
+                        else f"{_bytes(-m.headroom)} too much: it does not fit)."
+                    )
+                )
             )
         if self.flops is not None:
             lines.append(f"FLOPs per device: {self.flops:.3g}.")
@@ -241,7 +266,24 @@ def _bytes(n: int) -> str:
     raise AssertionError
 
 
-def _check_budget(max_collectives: Any, max_bytes: Any) -> None:
+def _does_not_fit(xla_says: str) -> Row:
+    """The row of a program XLA refused to compile for want of memory."""
+    return Row(
+        function=None,
+        name="memory per device",
+        expected=PartitionSpec(),
+        actual=None,
+        ok=False,
+        reason=f"the program does not fit on a device; XLA refused it: {xla_says}",
+        annotation="memory <= the device's HBM",
+        array="",
+        budget=("<= HBM", "more"),
+    )
+
+
+def _check_budget(max_collectives: Any, max_bytes: Any, hbm_budget: Any = None) -> None:
+    fine = hbm_budget is None or (isinstance(hbm_budget, int) and hbm_budget > 0)
+    expect(fine, "verify", "hbm_budget", "a number of bytes", hbm_budget)
     accepts = f"a dict of collective kinds ({', '.join(KINDS)}) to counts"
     given = max_collectives is None or isinstance(max_collectives, Mapping)
     expect(given, "verify", "max_collectives", accepts, max_collectives)
@@ -263,10 +305,39 @@ def _check_budget(max_collectives: Any, max_bytes: Any) -> None:
 
 
 def _budget_rows(
-    found: tuple[Collective, ...], max_collectives: Any, max_bytes: int | None
+    found: tuple[Collective, ...],
+    max_collectives: Any,
+    max_bytes: int | None,
+    memory: Memory | None = None,
+    hbm_budget: int | None = None,
 ) -> tuple[Row, ...]:
-    """A violated row for each budget the program's collectives exceed."""
+    """A violated row for each budget the program exceeds: its collectives', and
+    its memory per device (the device's HBM, and `hbm_budget`)."""
     rows = []
+    if memory is not None:
+        limits = [b for b in (memory.hbm_bytes, hbm_budget) if b is not None]
+        if limits and memory.total > min(limits):
+            limit = min(limits)
+            what = "the device's HBM" if limit == memory.hbm_bytes else "hbm_budget"
+            rows.append(
+                Row(
+                    function=None,
+                    name="memory per device",
+                    expected=PartitionSpec(),
+                    actual=None,
+                    ok=False,
+                    reason=(
+                        f"the program needs {_bytes(memory.total)} per device "
+                        f"(arguments {_bytes(memory.arguments)}, outputs "
+                        f"{_bytes(memory.outputs)}, temporaries "
+                        f"{_bytes(memory.temporaries)}), more than {what} "
+                        f"({_bytes(limit)})."
+                    ),
+                    annotation=f"memory <= {_bytes(limit)}",
+                    array="",
+                    budget=(f"<= {_bytes(limit)}", _bytes(memory.total)),
+                )
+            )
     for kind, limit in (max_collectives or {}).items():
         these = [c for c in found if c.kind == kind]
         if len(these) > limit:
@@ -302,7 +373,31 @@ def _budget_row(what: str, expected: str, actual: str, culprits: list) -> Row:
     )
 
 
-def _memory(compiled: Any) -> Memory | None:
+GiB = 1 << 30
+
+# HBM per TPU chip, by the device kind JAX reports, from Google Cloud's TPU
+# documentation ("TPU versions"): v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e (Trillium)
+# 32 GiB. A topology whose chips list two devices each (v4) halves it per device.
+HBM_PER_CHIP = {
+    "TPU v4": 32 * GiB,
+    "TPU v5 lite": 16 * GiB,
+    "TPU v5": 95 * GiB,
+    "TPU v6 lite": 32 * GiB,
+}
+
+
+def hbm_per_device(mesh: Any) -> int | None:
+    """The HBM of one device of `mesh`, or `None` off TPUs (or for an unknown
+    generation)."""
+    devices = list(mesh.devices.flat)
+    per_chip = HBM_PER_CHIP.get(getattr(devices[0], "device_kind", ""))
+    if per_chip is None:
+        return None
+    chips = {tuple(getattr(d, "coords", (i,))) for i, d in enumerate(devices)}
+    return per_chip * len(chips) // len(devices)
+
+
+def _memory(compiled: Any, mesh: Any = None) -> Memory | None:
     try:
         stats = compiled.memory_analysis()
     except Exception:  # not every backend implements it
@@ -317,6 +412,8 @@ def _memory(compiled: Any) -> Memory | None:
         code=stats.generated_code_size_in_bytes,
     )
     out["total"] = out.arguments + out.outputs + out.temporaries - out.aliased
+    out["hbm_bytes"] = None if mesh is None else hbm_per_device(mesh)
+    out["headroom"] = None if out.hbm_bytes is None else out.hbm_bytes - out.total
     return out
 
 

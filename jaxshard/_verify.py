@@ -30,6 +30,7 @@ from ._report import (
     _budget_rows,
     _check_budget,
     _device_kind,
+    _does_not_fit,
     _flops,
     _memory,
     _violation,
@@ -115,6 +116,7 @@ def verify(
     raise_on_error: bool = True,
     max_collectives: Mapping[str, int] | None = None,
     max_collective_bytes: int | None = None,
+    hbm_budget: int | None = None,
 ) -> Report:
     """Compiles `fn` for `mesh` from its annotations and checks every sharding
     contract on the way.
@@ -138,6 +140,9 @@ def verify(
         (kinds: all-gather, all-reduce, reduce-scatter, all-to-all,
         collective-permute). More is a violation, naming the lines they came from.
     - `max_collective_bytes`: a budget of bytes moved per device by all collectives.
+    - `hbm_budget`: bytes of memory per device the program may use. A program that
+        needs more, or more than a device of the mesh's TPU generation has
+        (`report.memory.hbm_bytes`, checked always), is a violation.
     - `raise_on_error`: raise `jaxshard.ShardingError` listing every violation
         (`True`, the default), or return the report either way.
 
@@ -164,7 +169,7 @@ def verify(
         mesh,
     )
     expect(dims is None or isinstance(dims, Mapping), "verify", "dims", "a dict", dims)
-    _check_budget(max_collectives, max_collective_bytes)
+    _check_budget(max_collectives, max_collective_bytes, hbm_budget)
     given = values is None or isinstance(values, Mapping)
     expect(given, "verify", "values", "a dict", values)
     name = _name(fn)
@@ -210,17 +215,28 @@ def verify(
         try:
             compiled = jax.jit(program).lower(traced).compile()
         except Exception as e:
-            if not is_sharding_type_error(e):
+            if is_sharding_type_error(e):
+                raise ModelError(_sharding_type_error(name, mesh, e)) from e
+            if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
-            raise ModelError(_sharding_type_error(name, mesh, e)) from e
-    found = collectives(compiled.as_text(), mesh)
-    budget = _budget_rows(found, max_collectives, max_collective_bytes)
+            # XLA's TPU compiler refuses a program that cannot fit in HBM.
+            compiled = None
+            refused = str(e).split("RESOURCE_EXHAUSTED:", 1)[-1].strip()
+    if compiled is None:
+        found, memory = (), None
+        budget = (_does_not_fit(refused),)
+    else:
+        found = collectives(compiled.as_text(), mesh)
+        memory = _memory(compiled, mesh)
+        budget = _budget_rows(
+            found, max_collectives, max_collective_bytes, memory, hbm_budget
+        )
     report = Report(
         function=name,
         mesh=mesh,
         rows=recorder.rows() + budget,
-        memory=_memory(compiled),
-        flops=_flops(compiled),
+        memory=memory,
+        flops=None if compiled is None else _flops(compiled),
         compiled=compiled,
     )
     report.__dict__["collectives"] = found  # what the cached property would compute
