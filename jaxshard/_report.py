@@ -7,6 +7,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._collectives import Collective, collectives, KINDS, summary
@@ -264,6 +266,73 @@ def _bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError
+
+
+def sharding_budget_rows(
+    inputs: Any,
+    shardings: Any,
+    min_sharded_fraction: float | None,
+    max_replicated_bytes: int | None,
+) -> tuple[Row, ...]:
+    """Rows for the sharding budgets the parameters break: the fraction of their
+    bytes that is split over devices (not fully replicated), and the bytes of fully
+    replicated parameters that every device holds. Each lists the largest replicated
+    parameters first."""
+    if min_sharded_fraction is None and max_replicated_bytes is None:
+        return ()
+    leaves = jax.tree_util.tree_flatten_with_path(inputs)[0]
+    layouts = jax.tree_util.tree_leaves(shardings)
+    sizes = []
+    for (path, leaf), sharding in zip(leaves, layouts):
+        size = int(np.prod(np.shape(leaf))) * np.dtype(leaf.dtype).itemsize
+        replicated = bool(getattr(sharding, "is_fully_replicated", True))
+        # The first key is the parameter's name: `params['w1']`, not `['params']...`.
+        first = getattr(path[0], "key", None) if path else None
+        name = f"{first}{jax.tree_util.keystr(path[1:])}" if first else str(path)
+        sizes.append((name, size, replicated))
+    total = sum(size for _, size, _ in sizes) or 1
+    replicated = sorted((s for s in sizes if s[2]), key=lambda s: -s[1])
+    worst = "; ".join(f"{p} {_bytes(n)}" for p, n, _ in replicated[:5])
+    worst = f" The largest replicated: {worst}." if worst else ""
+    rows = []
+    fraction = 1 - sum(n for _, n, _ in replicated) / total
+    if min_sharded_fraction is not None and fraction < min_sharded_fraction:
+        rows.append(
+            _sharding_row(
+                "sharded fraction",
+                f">= {min_sharded_fraction:.0%}",
+                f"{fraction:.1%}",
+                f"{fraction:.1%} of the parameters' bytes are split over devices, "
+                f"less than min_sharded_fraction ({min_sharded_fraction:.0%}).{worst}",
+            )
+        )
+    kept = sum(n for _, n, _ in replicated)
+    if max_replicated_bytes is not None and kept > max_replicated_bytes:
+        rows.append(
+            _sharding_row(
+                "replicated bytes",
+                f"<= {_bytes(max_replicated_bytes)}",
+                _bytes(kept),
+                f"every device holds {_bytes(kept)} of fully replicated parameters, "
+                f"more than max_replicated_bytes ({_bytes(max_replicated_bytes)})."
+                + worst,
+            )
+        )
+    return tuple(rows)
+
+
+def _sharding_row(what: str, expected: str, actual: str, reason: str) -> Row:
+    return Row(
+        function=None,
+        name=f"parameters: {what}",
+        expected=PartitionSpec(),
+        actual=None,
+        ok=False,
+        reason=reason,
+        annotation=f"{what} {expected}",
+        array="",
+        budget=(expected, actual),
+    )
 
 
 def _does_not_fit(xla_says: str) -> Row:

@@ -36,6 +36,7 @@ from ._report import (
     _violation,
     Report,
     Row,
+    sharding_budget_rows,
 )
 from ._sharding import (
     call_numbers,
@@ -117,6 +118,8 @@ def verify(
     max_collectives: Mapping[str, int] | None = None,
     max_collective_bytes: int | None = None,
     hbm_budget: int | None = None,
+    min_sharded_fraction: float | None = None,
+    max_replicated_bytes: int | None = None,
 ) -> Report:
     """Compiles `fn` for `mesh` from its annotations and checks every sharding
     contract on the way.
@@ -143,6 +146,11 @@ def verify(
     - `hbm_budget`: bytes of memory per device the program may use. A program that
         needs more, or more than a device of the mesh's TPU generation has
         (`report.memory.hbm_bytes`, checked always), is a violation.
+    - `min_sharded_fraction`: the least fraction of the inputs' bytes that must be
+        split over devices (not fully replicated), as MaxText's
+        `assert_params_sufficiently_sharded` asks; `max_replicated_bytes`: the most
+        bytes of fully replicated inputs each device may hold. A violation lists the
+        largest replicated inputs first.
     - `raise_on_error`: raise `jaxshard.ShardingError` listing every violation
         (`True`, the default), or return the report either way.
 
@@ -170,6 +178,21 @@ def verify(
     )
     expect(dims is None or isinstance(dims, Mapping), "verify", "dims", "a dict", dims)
     _check_budget(max_collectives, max_collective_bytes, hbm_budget)
+    fraction = min_sharded_fraction
+    fine = fraction is None or (
+        isinstance(fraction, (int, float)) and 0 <= fraction <= 1
+    )
+    expect(fine, "verify", "min_sharded_fraction", "a fraction from 0 to 1", fraction)
+    fine = max_replicated_bytes is None or (
+        isinstance(max_replicated_bytes, int) and max_replicated_bytes >= 0
+    )
+    expect(
+        fine,
+        "verify",
+        "max_replicated_bytes",
+        "a number of bytes",
+        max_replicated_bytes,
+    )
     given = values is None or isinstance(values, Mapping)
     expect(given, "verify", "values", "a dict", values)
     name = _name(fn)
@@ -230,6 +253,11 @@ def verify(
         memory = _memory(compiled, mesh)
         budget = _budget_rows(
             found, max_collectives, max_collective_bytes, memory, hbm_budget
+        ) + sharding_budget_rows(
+            traced,
+            compiled.input_shardings[0],
+            min_sharded_fraction,
+            max_replicated_bytes,
         )
     report = Report(
         function=name,

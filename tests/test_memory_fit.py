@@ -71,3 +71,41 @@ def test_a_program_that_does_not_fit(tpu_topology):
     )
     (row,) = small.violations
     assert "more than hbm_budget (1.0 GiB)" in row.reason
+
+
+def sharded_and_not(
+    w: Float[Array, "d f", P("dp", None)],
+    b: Float[Array, "f", P()],
+    big: Float[Array, "d d", P()],
+) -> Float[Array, "f", P()]:
+    return (w.sum(0) + b) * big.sum()
+
+
+def test_sharding_budgets(auto_mesh):
+    """w (d x f) is split over dp; b and big are whole on every device. The budgets
+    list the largest replicated parameter first."""
+    dims = {"d": 64, "f": 32}  # w: 8 KiB, b: 128 B, big: 16 KiB
+    report = jaxshard.verify(
+        sharded_and_not,
+        mesh=auto_mesh,
+        dims=dims,
+        min_sharded_fraction=0.5,
+        max_replicated_bytes=1024,
+        raise_on_error=False,
+    )
+    fraction, replicated = report.violations
+    share = 8192 / (8192 + 128 + 16384)
+    assert fraction.name == "parameters: sharded fraction"
+    assert fraction.reason.startswith(f"{share:.1%} of the parameters' bytes are split")
+    assert "The largest replicated: big 16.0 KiB; b 128 B." in fraction.reason
+    assert replicated.name == "parameters: replicated bytes"
+    assert "every device holds 16.1 KiB of fully replicated parameters" in (
+        replicated.reason
+    )
+    assert jaxshard.verify(
+        sharded_and_not, mesh=auto_mesh, dims=dims, min_sharded_fraction=0.3
+    ).ok
+    with pytest.raises(TypeError, match="`min_sharded_fraction` takes a fraction"):
+        jaxshard.verify(
+            sharded_and_not, mesh=auto_mesh, dims=dims, min_sharded_fraction=2
+        )
