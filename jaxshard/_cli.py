@@ -128,6 +128,19 @@ def _parser() -> argparse.ArgumentParser:
         "device of the TPU generation has (always checked), is a violation (exit 1)",
     )
     verify.add_argument(
+        "--min-sharded-fraction",
+        type=float,
+        metavar="F",
+        help="the least fraction of the inputs' bytes split over devices, e.g. 0.9; "
+        "less is a violation (exit 1)",
+    )
+    verify.add_argument(
+        "--max-replicated-bytes",
+        type=int,
+        metavar="BYTES",
+        help="the most bytes of fully replicated inputs each device may hold",
+    )
+    verify.add_argument(
         "--json", action="store_true", help="print the report as JSON instead"
     )
     return parser
@@ -345,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_collectives=budget,
             max_collective_bytes=args.max_collective_bytes,
             hbm_budget=args.hbm_budget,
+            min_sharded_fraction=args.min_sharded_fraction,
+            max_replicated_bytes=args.max_replicated_bytes,
         )
     except jaxshard.TypeCheckError as e:  # a contract that is not a sharding's
         print(f"{type(e).__name__}: {e}", file=sys.stderr)

@@ -215,6 +215,27 @@ def test_collective_budgets(run):
     assert code == 2 and "--max-collectives names 'all-gathers'" in err
 
 
+def test_sharding_budgets(run):
+    """`layer`'s w is split over tp and x over dp: all of the inputs' bytes are."""
+    args = ["verify", "model:layer", "--mesh", "dp=4,tp=2", *DIMS]
+    code, _, err = run(*args, "--min-sharded-fraction", "0.9")
+    assert code == 0, err
+    code, out, _ = run(*args, "--max-replicated-bytes", "0")
+    assert code == 0
+    code, out, _ = run(
+        "verify",
+        "model:dense",
+        "--mesh",
+        "dp=4",
+        *DIMS[:4],
+        "--dim",
+        "f=16",
+        "--max-replicated-bytes",
+        "0",
+    )
+    assert code == 1 and "parameters: replicated bytes" in out
+
+
 def test_other_contract_failures_exit_1(run):
     code, _, err = run("verify", "model:wrong_shape", "--mesh", "dp=4", *BD)
     assert code == 1 and "TypeCheckError" in err
@@ -289,6 +310,8 @@ def test_help_documents_every_option(run):
         "--values",
         "--max-collectives",
         "--max-collective-bytes",
+        "--min-sharded-fraction",
+        "--max-replicated-bytes",
         "Exit status: 0 when every contract holds, 1 when one is violated, 2 on a "
         "usage error, 3 when the function itself fails to trace or compile",
     ]:
