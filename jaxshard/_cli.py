@@ -335,7 +335,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         budget = _budget(args.max_collectives)
         from jaxshard._report import _check_budget
 
-        _check_budget(budget, args.max_collective_bytes, args.hbm_budget)
+        try:
+            _check_budget(
+                budget,
+                args.max_collective_bytes,
+                args.hbm_budget,
+                args.min_sharded_fraction,
+                args.max_replicated_bytes,
+            )
+        except TypeError as e:  # a number out of range: the options' fault
+            raise ValueError(str(e)) from None
         mesh = _make_mesh(axes, args.topology, args.axis_types)
         import jaxshard
         from jaxshard._abstract import stray_dims
@@ -398,6 +407,7 @@ _OPTIONS = [
     (r"`dtypes` names", "--dtype names"),
     (r"`values` names", "--values names"),
     (r"jaxshard.verify: max_collectives names", "--max-collectives names"),
+    (r"jaxshard.verify: `(\w+)` takes", lambda m: f"--{m[1].replace('_', '-')} takes"),
 ]
 
 

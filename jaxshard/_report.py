@@ -350,9 +350,24 @@ def _does_not_fit(xla_says: str) -> Row:
     )
 
 
-def _check_budget(max_collectives: Any, max_bytes: Any, hbm_budget: Any = None) -> None:
+def _check_budget(
+    max_collectives: Any = None,
+    max_bytes: Any = None,
+    hbm_budget: Any = None,
+    min_sharded_fraction: Any = None,
+    max_replicated_bytes: Any = None,
+) -> None:
+    """`verify`'s budgets, checked before anything is compiled."""
     fine = hbm_budget is None or (isinstance(hbm_budget, int) and hbm_budget > 0)
     expect(fine, "verify", "hbm_budget", "a number of bytes", hbm_budget)
+    fraction = min_sharded_fraction
+    fine = fraction is None or (
+        isinstance(fraction, (int, float)) and 0 <= fraction <= 1
+    )
+    expect(fine, "verify", "min_sharded_fraction", "a fraction from 0 to 1", fraction)
+    most = max_replicated_bytes
+    fine = most is None or (isinstance(most, int) and most >= 0)
+    expect(fine, "verify", "max_replicated_bytes", "a number of bytes", most)
     accepts = f"a dict of collective kinds ({', '.join(KINDS)}) to counts"
     given = max_collectives is None or isinstance(max_collectives, Mapping)
     expect(given, "verify", "max_collectives", accepts, max_collectives)

@@ -177,20 +177,11 @@ def verify(
         mesh,
     )
     expect(dims is None or isinstance(dims, Mapping), "verify", "dims", "a dict", dims)
-    _check_budget(max_collectives, max_collective_bytes, hbm_budget)
-    fraction = min_sharded_fraction
-    fine = fraction is None or (
-        isinstance(fraction, (int, float)) and 0 <= fraction <= 1
-    )
-    expect(fine, "verify", "min_sharded_fraction", "a fraction from 0 to 1", fraction)
-    fine = max_replicated_bytes is None or (
-        isinstance(max_replicated_bytes, int) and max_replicated_bytes >= 0
-    )
-    expect(
-        fine,
-        "verify",
-        "max_replicated_bytes",
-        "a number of bytes",
+    _check_budget(
+        max_collectives,
+        max_collective_bytes,
+        hbm_budget,
+        min_sharded_fraction,
         max_replicated_bytes,
     )
     given = values is None or isinstance(values, Mapping)

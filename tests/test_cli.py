@@ -287,6 +287,14 @@ def test_other_contract_failures_exit_1(run):
             ["model:forward", "--mesh", "dp=4", *DIMS, "--values", "model:model"],
             "without PARAM= it must be a dict",
         ),
+        (
+            ["model:layer", "--mesh", "dp=4", *DIMS, "--min-sharded-fraction", "2"],
+            "--min-sharded-fraction takes a fraction from 0 to 1; got 2.0",
+        ),
+        (
+            ["model:layer", "--mesh", "dp=4", *DIMS, "--hbm-budget", "0"],
+            "--hbm-budget takes a number of bytes; got 0",
+        ),
     ],
 )
 def test_usage_errors_exit_2(run, args, reason):
