@@ -36,13 +36,12 @@ def note_failure(obj: Any, reason: str, sharding: bool = True) -> None:
 
 
 def _details(notes: list[tuple[str, str, str, bool]]) -> str:
+    from ._sharding import subject
+
     lines = ["----------------------", "Sharding:"]
     for function, name, reason, _ in dict.fromkeys(notes):
-        if function is None:
-            lines.append(f"- {reason}")
-            continue
-        what = "the return value" if name == "return" else f"parameter {name!r}"
-        lines.append(f"- {function}, {what}: {reason}")
+        head = "" if function is None else f"{subject(function, name)}: "
+        lines.append(f"- {head}{reason}")
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ._collectives import Collective, collectives, KINDS, summary
 from ._errors import expect
-from ._sharding import describe_mesh, describe_sharding
+from ._sharding import describe_mesh, describe_sharding, subject
 from ._spec import format_spec
 
 
@@ -244,13 +244,7 @@ def _describe_collectives(found: tuple[Collective, ...]) -> list[str]:
 def _violation(row: Row) -> str:
     if row.budget is not None:
         return f"{row.name}: {row.reason}"
-    function = row.call or row.function
-    if row.function is None:
-        what = "a value checked with isinstance outside any jaxtyped function"
-    elif row.name == "return":
-        what = f"{function}, the return value"
-    else:
-        what = f"{function}, parameter {row.name!r}"
+    what = subject(row.function and (row.call or row.function), row.name)
     return f"{what} ({row.array}, annotated {row.annotation}): {row.reason}"
 
 
@@ -322,31 +316,19 @@ def sharding_budget_rows(
 
 
 def _sharding_row(what: str, expected: str, actual: str, reason: str) -> Row:
-    return Row(
-        function=None,
-        name=f"parameters: {what}",
-        expected=PartitionSpec(),
-        actual=None,
-        ok=False,
-        reason=reason,
-        annotation=f"{what} {expected}",
-        array="",
-        budget=(expected, actual),
+    return _over_budget(
+        f"parameters: {what}", expected, actual, reason, f"{what} {expected}"
     )
 
 
 def _does_not_fit(xla_says: str) -> Row:
     """The row of a program XLA refused to compile for want of memory."""
-    return Row(
-        function=None,
-        name="memory per device",
-        expected=PartitionSpec(),
-        actual=None,
-        ok=False,
-        reason=f"the program does not fit on a device; XLA refused it: {xla_says}",
+    return _over_budget(
+        "memory per device",
+        "<= HBM",
+        "more",
+        f"the program does not fit on a device; XLA refused it: {xla_says}",
         annotation="memory <= the device's HBM",
-        array="",
-        budget=("<= HBM", "more"),
     )
 
 
@@ -404,22 +386,16 @@ def _budget_rows(
             limit = min(limits)
             what = "the device's HBM" if limit == memory.hbm_bytes else "hbm_budget"
             rows.append(
-                Row(
-                    function=None,
-                    name="memory per device",
-                    expected=PartitionSpec(),
-                    actual=None,
-                    ok=False,
-                    reason=(
-                        f"the program needs {_bytes(memory.total)} per device "
-                        f"(arguments {_bytes(memory.arguments)}, outputs "
-                        f"{_bytes(memory.outputs)}, temporaries "
-                        f"{_bytes(memory.temporaries)}), more than {what} "
-                        f"({_bytes(limit)})."
-                    ),
+                _over_budget(
+                    "memory per device",
+                    f"<= {_bytes(limit)}",
+                    _bytes(memory.total),
+                    f"the program needs {_bytes(memory.total)} per device "
+                    f"(arguments {_bytes(memory.arguments)}, outputs "
+                    f"{_bytes(memory.outputs)}, temporaries "
+                    f"{_bytes(memory.temporaries)}), more than {what} "
+                    f"({_bytes(limit)}).",
                     annotation=f"memory <= {_bytes(limit)}",
-                    array="",
-                    budget=(f"<= {_bytes(limit)}", _bytes(memory.total)),
                 )
             )
     for kind, limit in (max_collectives or {}).items():
@@ -444,16 +420,30 @@ def _budget_row(what: str, expected: str, actual: str, culprits: list) -> Row:
     )
     more = f" (and {len(culprits) - 5} more)" if len(culprits) > 5 else ""
     noun = "bytes moved per device" if what == "bytes" else f"{what}s"
+    return _over_budget(
+        f"collectives: {what}",
+        expected,
+        actual,
+        f"{actual} {noun}, over the budget of {expected}: {listed}{more}.",
+        annotation=f"max {noun} {expected}",
+    )
+
+
+def _over_budget(
+    name: str, limit: str, found: str, reason: str, annotation: str
+) -> Row:
+    """The violated row of a budget (collectives, memory, sharding): `limit` and
+    `found` fill the table's expected and actual columns."""
     return Row(
         function=None,
-        name=f"collectives: {what}",
+        name=name,
         expected=PartitionSpec(),
         actual=None,
         ok=False,
-        reason=f"{actual} {noun}, over the budget of {expected}: {listed}{more}.",
-        annotation=f"max {noun} {expected}",
+        reason=reason,
+        annotation=annotation,
         array="",
-        budget=(expected, actual),
+        budget=(limit, found),
     )
 
 

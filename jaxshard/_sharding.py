@@ -73,6 +73,16 @@ def naming(function: str, name: str) -> Iterator[None]:
         _naming.current = outer
 
 
+def subject(function: Any, name: str | None) -> str:
+    """How messages name a checked value: `f, parameter 'x'`, `f, the return
+    value`, or an `isinstance` check outside any function (`function` is `None`)."""
+    if function is None:
+        return "a value checked with isinstance outside any jaxtyped function"
+    if name == "return":
+        return f"{function}, the return value"
+    return f"{function}, parameter {name!r}"
+
+
 def where(obj: Any) -> tuple[str | None, str | None]:
     """`(function, parameter)` naming the value being checked, for error messages;
     `(None, None)` outside any `jaxtyped` function."""
@@ -351,13 +361,7 @@ class Violation:
 
     def __str__(self):
         site = self.site
-        function = self.call or site.function
-        if site.function is None:
-            what = "a value checked with isinstance outside any jaxtyped function"
-        elif site.name == "return":
-            what = f"{function}, the return value"
-        else:
-            what = f"{function}, parameter {site.name!r}"
+        what = subject(site.function and (self.call or site.function), site.name)
         also = f" (passed on to {'; '.join(self.also)})" if self.also else ""
         return (
             f"{what}{also} ({site.array}, annotated {site.annotation}): {self.reason}"
@@ -482,12 +486,7 @@ def in_program_order(violations: list[Violation], sites: list[Site]) -> list:
             kept = out[first[key]]
             if (v.call, v.site.name) == (kept.call, kept.site.name):
                 continue  # jaxtyping checks a parameter twice: once is enough
-            name = (
-                "the return value"
-                if v.site.name == "return"
-                else (f"parameter {v.site.name!r}")
-            )
-            also = f"{v.call}, {name}"
+            also = subject(v.call, v.site.name)
             if also not in kept.also:
                 out[first[key]] = dataclasses.replace(kept, also=(*kept.also, also))
             continue

@@ -63,9 +63,6 @@ class Recorder:
         self._checks: list[tuple[Site, Any, str]] = []
         self.function = function  # the verified function, left out of call chains
 
-    def next_order(self) -> int:  # the sites' own order is global
-        return 0
-
     def add(self, site: Site, actual: Any, reason: str) -> None:
         with self._lock:
             self._checks.append((site, actual, reason))
