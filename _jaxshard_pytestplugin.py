@@ -6,6 +6,9 @@
 - fixture `tpu_topology`: a factory for meshes of a TPU topology's devices,
   `tpu_topology("v5e:16x16", {"dp": 16, "tp": 16})`; skips the test with an install
   hint when libtpu is absent. The marker `@pytest.mark.tpu_topology` does the same.
+- fixture `jaxshard_snapshot`: `jaxshard_snapshot(report)` checks a `jaxshard.verify`
+  report against the test's golden snapshot in `__snapshots__/` next to the test
+  file, writing it when there is none; `--jaxshard-snapshot-update` rewrites them.
 
 It lives outside the `jaxshard` package so that loading it imports nothing: JAX reads
 some environment variables (`JAX_PLATFORMS`) when it is imported, and a conftest may
@@ -16,6 +19,9 @@ import glob
 import importlib.util
 import math
 import os
+import pathlib
+import re
+import warnings
 
 import pytest
 
@@ -34,6 +40,12 @@ def pytest_addoption(parser):
         metavar="N",
         help="simulate N CPU devices (set before JAX starts; overrides the "
         "jaxshard_devices ini option)",
+    )
+    group.addoption(
+        "--jaxshard-snapshot-update",
+        action="store_true",
+        help="write the golden snapshots the jaxshard_snapshot fixture is given, "
+        "instead of comparing reports with them",
     )
     parser.addini("jaxshard_devices", help="simulate this many CPU devices", default="")
 
@@ -144,3 +156,64 @@ def tpu_topology():
     from jaxshard import tpu_mesh
 
     return tpu_mesh
+
+
+@pytest.fixture
+def jaxshard_snapshot(request):
+    """Checks `jaxshard.verify` reports against golden snapshots:
+    `jaxshard_snapshot(report)`, or `jaxshard_snapshot(report, "v5e")` for several
+    in one test (`tolerance=` as for `report.compare`).
+
+    The snapshot lives in `__snapshots__/<test module>/<test name>.json` next to the
+    test file. When there is none, it is written (with a warning: commit it). When
+    there is one, each difference from it fails the test, listed. After an intended
+    change, `pytest --jaxshard-snapshot-update` rewrites the snapshots."""
+    return _Snapshots(request)
+
+
+_SAFE = re.compile(r"[^\w.-]+")  # what a file name may not hold
+
+
+class _Snapshots:
+    def __init__(self, request):
+        self.update = request.config.getoption("jaxshard_snapshot_update")
+        path = pathlib.Path(request.node.path)
+        self.directory = path.parent / "__snapshots__" / path.stem
+        self.test = _SAFE.sub("_", request.node.name).strip("_")
+        self.unnamed = 0
+
+    def __call__(self, report, name=None, *, tolerance=0.05):
+        from jaxshard import Report
+
+        if not isinstance(report, Report):
+            raise TypeError(
+                "jaxshard_snapshot takes the report of jaxshard.verify (use "
+                f"raise_on_error=False to get one with violations); got "
+                f"{type(report).__name__}"
+            )
+        if name is None:
+            self.unnamed += 1
+            name = "" if self.unnamed == 1 else str(self.unnamed)
+        stem = self.test + ("-" + _SAFE.sub("_", name) if name else "")
+        path = self.directory / f"{stem}.json"
+        if self.update or not path.exists():
+            report.save(path)
+            if not self.update:
+                warnings.warn(
+                    f"jaxshard_snapshot wrote a new snapshot, {path}: commit it",
+                    pytest.PytestWarning,
+                    stacklevel=2,
+                )
+            return
+        differences = report.compare(path, tolerance=tolerance)
+        if differences:
+            pytest.fail(
+                f"{len(differences)} difference{'s' if len(differences) > 1 else ''} "
+                f"from the snapshot {path}:\n"
+                + "\n".join(
+                    f"- {r.name[len('snapshot: ') :]}: {r.reason}" for r in differences
+                )
+                + "\nIf the change is intended, rewrite the snapshot: pytest "
+                "--jaxshard-snapshot-update",
+                pytrace=False,
+            )

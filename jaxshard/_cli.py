@@ -141,6 +141,29 @@ def _parser() -> argparse.ArgumentParser:
         help="the most bytes of fully replicated inputs each device may hold",
     )
     verify.add_argument(
+        "--snapshot",
+        metavar="PATH",
+        help="write the report's golden snapshot (sorted JSON: every input's and "
+        "output's layout, every contract's verdict, the collectives, the memory) to "
+        "PATH, to commit and check later runs against with --against",
+    )
+    verify.add_argument(
+        "--against",
+        metavar="PATH",
+        help="compare with the snapshot at PATH: each difference (a layout, a "
+        "verdict, a collective, bytes or memory grown past --tolerance) is a "
+        "violation (exit 1). With --snapshot PATH too, the snapshot is rewritten "
+        "after the comparison",
+    )
+    verify.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        metavar="F",
+        help="how much memory per device and bytes moved by collectives may grow "
+        "over the --against snapshot, as a fraction (default: 0.05, 5%%)",
+    )
+    verify.add_argument(
         "--json", action="store_true", help="print the report as JSON instead"
     )
     return parser
@@ -333,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         fn = _load(args.function)
         values = _values(args.values)
         budget = _budget(args.max_collectives)
-        from jaxshard._report import _check_budget
+        from jaxshard._report import _check_budget, _check_tolerance
+        from jaxshard._snapshot import load as load_snapshot
 
         try:
             _check_budget(
@@ -343,7 +367,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.min_sharded_fraction,
                 args.max_replicated_bytes,
             )
-        except TypeError as e:  # a number out of range: the options' fault
+            _check_tolerance(args.tolerance)
+            if args.against is not None:
+                load_snapshot(args.against, "--against")
+        except (TypeError, FileNotFoundError) as e:  # the options' fault
             raise ValueError(str(e)) from None
         mesh = _make_mesh(axes, args.topology, args.axis_types)
         import jaxshard
@@ -369,6 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             hbm_budget=args.hbm_budget,
             min_sharded_fraction=args.min_sharded_fraction,
             max_replicated_bytes=args.max_replicated_bytes,
+            against=args.against,
+            tolerance=args.tolerance,
         )
     except jaxshard.TypeCheckError as e:  # a contract that is not a sharding's
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
@@ -386,6 +415,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return MODEL_FAILED
     print(report.to_json() if args.json else report)
+    if args.snapshot is not None:
+        try:
+            report.save(args.snapshot)
+        except OSError as e:
+            print(f"cannot write the snapshot {args.snapshot}: {e}", file=sys.stderr)
+            return 2
+        print(f"Snapshot written to {args.snapshot}.", file=sys.stderr)
     return 0 if report.ok else 1
 
 

@@ -4,6 +4,7 @@ program's memory, FLOPs and collectives, and the budgets checked against them.""
 import dataclasses
 import functools as ft
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,9 +12,16 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from . import _snapshot
 from ._collectives import Collective, collectives, KINDS, summary
 from ._errors import expect
-from ._sharding import describe_mesh, describe_sharding, subject
+from ._sharding import (
+    describe_bytes as _bytes,
+    describe_devices,
+    describe_mesh,
+    describe_sharding,
+    subject,
+)
 from ._spec import format_spec
 
 
@@ -32,6 +40,8 @@ class Row:
     - `ok`: whether the two agree.
     - `reason`: what is wrong, as a sentence; `""` when `ok`.
     - `annotation`, `array`: the annotation and the value's dtype and shape, as text.
+    - `expected_type`, `actual_type`: the expected and the actual layout in JAX's
+        notation for sharded types, e.g. `"float32[8@dp,4]"` (`""` for a budget).
     - `call`: for a violation, which call of the function it happened in and the
         annotated calls around it, e.g. `"Block.__call__ #5 of 8 (in
         Decoder.__call__)"`; `""` for a contract that holds (its row stands for
@@ -47,7 +57,16 @@ class Row:
     annotation: str
     array: str
     call: str = ""
+    types: tuple[str, str] = ("", "")  # expected_type, actual_type
     budget: tuple[str, str] | None = None  # (limit, found) of a collective budget
+
+    @property
+    def expected_type(self) -> str:
+        return self.types[0]
+
+    @property
+    def actual_type(self) -> str:
+        return self.types[1]
 
     @property
     def actual_spec(self) -> str:
@@ -101,8 +120,13 @@ class Report:
     - `collectives`: every collective of the compiled program, in program order, as
         `jaxshard.Collective`s (kind, bytes per device, mesh axes, and the line of
         your code it came from); `collective_bytes`: their bytes per kind.
+    - `inputs`, `outputs`: every input and output array of the compiled program, by
+        its path (`"params.wq"`, `"return['loss']"`), as a `jax.ShapeDtypeStruct`
+        with the sharding XLA gave it.
 
-    `str(report)` is a table; `report.to_dict()` is plain data, for JSON.
+    `str(report)` is a table; `report.to_dict()` is plain data, for JSON;
+    `report.save(path)` writes a golden snapshot, which `report.compare(path)` (or
+    `verify(..., against=path)`) checks a later report against.
     """
 
     function: str
@@ -111,6 +135,37 @@ class Report:
     memory: Memory | None
     flops: float | None
     compiled: Any = dataclasses.field(repr=False, compare=False)
+    inputs: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    outputs: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the report's golden snapshot to `path` (JSON): every input's and
+        output's layout, every contract's verdict, the collectives per kind and the
+        memory per device, sorted, with nothing that changes between runs (no
+        times, addresses or line numbers). Commit it, and check later reports
+        against it with `verify(..., against=path)`."""
+        _snapshot.save(self, path)
+
+    def compare(
+        self, snapshot: str | os.PathLike, *, tolerance: float = 0.05
+    ) -> tuple[Row, ...]:
+        """How this report differs from the snapshot at `snapshot` (written by
+        `save`), as violated rows, each naming what changed: an input or output's
+        layout, a contract's verdict, a collective's count or where it comes from,
+        more bytes moved or more memory per device than the snapshot's plus
+        `tolerance` (a fraction: 0.05 allows 5% growth). Empty when nothing did."""
+        _check_tolerance(tolerance)
+        old = _snapshot.load(snapshot, "jaxshard: report.compare")
+        return tuple(
+            _over_budget(
+                f"snapshot: {what}",
+                was,
+                now,
+                sentence,
+                annotation=f"as in the snapshot {os.fspath(snapshot)}",
+            )
+            for what, was, now, sentence in _snapshot.differences(self, old, tolerance)
+        )
 
     @property
     def fits(self) -> bool | None:
@@ -143,7 +198,7 @@ class Report:
         return {
             "function": self.function,
             "mesh": dict(self.mesh.shape),
-            "devices": _device_kind(self.mesh),
+            "devices": describe_devices(self.mesh),
             "ok": self.ok,
             "rows": [
                 {
@@ -152,6 +207,8 @@ class Report:
                     "array": r.array,
                     "expected": r.budget[0] if r.budget else format_spec(r.expected),
                     "actual": r.actual_spec,
+                    "expected_type": r.expected_type,
+                    "actual_type": r.actual_type,
                     "ok": r.ok,
                     "reason": r.reason,
                 }
@@ -176,17 +233,17 @@ class Report:
     def __str__(self) -> str:
         head = (
             f"jaxshard.verify: {self.function} on mesh {describe_mesh(self.mesh)}, "
-            f"{_device_kind(self.mesh)}"
+            f"{describe_devices(self.mesh)}"
         )
-        table = [("function", "value", "array", "expected", "actual", "")]
+        table = [("function", "value", "expected", "actual", "as a JAX type", "")]
         for r in self.rows:
             table.append(
                 (
                     r.call or r.function or ("" if r.budget else "(isinstance)"),
                     r.name or "",
-                    r.array,
                     r.budget[0] if r.budget else format_spec(r.expected),
                     r.actual_spec,
+                    r.actual_type or r.array,
                     "ok" if r.ok else "VIOLATED",
                 )
             )
@@ -199,9 +256,8 @@ class Report:
         if not self.rows:
             lines.append("(no sharding contracts were checked)")
         lines.append("")
-        count = len(self.violations)
-        if count:
-            lines.append(f"{count} of {len(self.rows)} contracts violated:")
+        if self.violations:
+            lines.append(tally(self.violations, self.rows) + ":")
             lines += [f"- {_violation(r)}" for r in self.violations]
         else:
             lines.append(f"All {len(self.rows)} contracts hold.")
@@ -241,6 +297,25 @@ def _describe_collectives(found: tuple[Collective, ...]) -> list[str]:
     return lines
 
 
+def tally(violations: tuple[Row, ...], rows: tuple[Row, ...] = ()) -> str:
+    """`2 sharding contracts violated, 1 budget exceeded, 3 differences from the
+    snapshot`; given all the rows, `2 of 5 sharding contracts violated, ...`."""
+    snapshot = sum(r.name.startswith("snapshot: ") for r in violations if r.budget)
+    budgets = sum(r.budget is not None for r in violations) - snapshot
+    contracts = len(violations) - budgets - snapshot
+    of = sum(r.budget is None for r in rows)
+    parts = [
+        (contracts, of, "sharding contract", "violated"),
+        (budgets, 0, "budget", "exceeded"),
+        (snapshot, 0, "difference", "from the snapshot"),
+    ]
+    return ", ".join(
+        f"{n} {f'of {of} ' if of else ''}{noun}{'s' if max(n, of) > 1 else ''} {verb}"
+        for n, of, noun, verb in parts
+        if n
+    )
+
+
 def _violation(row: Row) -> str:
     if row.budget is not None:
         return f"{row.name}: {row.reason}"
@@ -248,41 +323,37 @@ def _violation(row: Row) -> str:
     return f"{what} ({row.array}, annotated {row.annotation}): {row.reason}"
 
 
-def _device_kind(mesh: Any) -> str:
-    devices = mesh.devices.flat
-    kind = getattr(devices[0], "device_kind", "?")
-    return f"{mesh.devices.size} × {kind}"
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
+def layouts(values: Any, shardings: Any, root: str = "") -> dict[str, Any]:
+    """Path -> `jax.ShapeDtypeStruct` with its sharding, for each array in `values`
+    (a dict of parameters, with `root=""`: `params.wq`, `x`; or an output, with
+    `root="return"`: `return['loss']`)."""
+    leaves = jax.tree_util.tree_flatten_with_path(values)[0]
+    out = {}
+    for (path, leaf), sharding in zip(leaves, jax.tree_util.tree_leaves(shardings)):
+        if not root:  # the first key is the parameter's name: `params['w1']`
+            first = getattr(path[0], "key", None) if path else None
+            name = f"{first}{jax.tree_util.keystr(path[1:])}" if first else str(path)
+        else:
+            name = root + jax.tree_util.keystr(path)
+        out[name] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+    return out
 
 
 def sharding_budget_rows(
-    inputs: Any,
-    shardings: Any,
+    inputs: Mapping[str, Any],
     min_sharded_fraction: float | None,
     max_replicated_bytes: int | None,
 ) -> tuple[Row, ...]:
-    """Rows for the sharding budgets the parameters break: the fraction of their
-    bytes that is split over devices (not fully replicated), and the bytes of fully
-    replicated parameters that every device holds. Each lists the largest replicated
-    parameters first."""
+    """Rows for the sharding budgets the parameters (`layouts`) break: the fraction
+    of their bytes that is split over devices (not fully replicated), and the bytes
+    of fully replicated parameters that every device holds. Each lists the largest
+    replicated parameters first."""
     if min_sharded_fraction is None and max_replicated_bytes is None:
         return ()
-    leaves = jax.tree_util.tree_flatten_with_path(inputs)[0]
-    layouts = jax.tree_util.tree_leaves(shardings)
     sizes = []
-    for (path, leaf), sharding in zip(leaves, layouts):
-        size = int(np.prod(np.shape(leaf))) * np.dtype(leaf.dtype).itemsize
-        replicated = bool(getattr(sharding, "is_fully_replicated", True))
-        # The first key is the parameter's name: `params['w1']`, not `['params']...`.
-        first = getattr(path[0], "key", None) if path else None
-        name = f"{first}{jax.tree_util.keystr(path[1:])}" if first else str(path)
+    for name, leaf in inputs.items():
+        size = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        replicated = bool(getattr(leaf.sharding, "is_fully_replicated", True))
         sizes.append((name, size, replicated))
     total = sum(size for _, size, _ in sizes) or 1
     replicated = sorted((s for s in sizes if s[2]), key=lambda s: -s[1])
@@ -330,6 +401,12 @@ def _does_not_fit(xla_says: str) -> Row:
         f"the program does not fit on a device; XLA refused it: {xla_says}",
         annotation="memory <= the device's HBM",
     )
+
+
+def _check_tolerance(tolerance: Any) -> None:
+    fine = isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool)
+    fine = fine and tolerance >= 0
+    expect(fine, "verify", "tolerance", "a fraction, 0 or more (0.05 is 5%)", tolerance)
 
 
 def _check_budget(
@@ -405,7 +482,12 @@ def _budget_rows(
     total = sum(c.bytes for c in found)
     if max_bytes is not None and total > max_bytes:
         rows.append(
-            _budget_row("bytes", f"<= {_bytes(max_bytes)}", _bytes(total), list(found))
+            _budget_row(
+                "bytes",
+                f"<= {_bytes(max_bytes)}",
+                _bytes(total),
+                list(found),
+            )
         )
     return tuple(rows)
 

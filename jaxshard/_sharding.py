@@ -29,7 +29,7 @@ from ._jax_internals import (
     context_mesh,
     is_batched,
 )
-from ._spec import axes_of, format_spec
+from ._spec import axes_of, format_spec, sharded_type
 
 
 # --- descriptions -------------------------------------------------------------------
@@ -39,6 +39,21 @@ def describe_mesh(mesh) -> str:
     sizes = ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items())
     types = {t.name for t in mesh.axis_types}
     return "{" + sizes + "}" + (f" ({'/'.join(sorted(types))} axes)" if types else "")
+
+
+def describe_devices(mesh) -> str:
+    """`256 × TPU v5 lite`."""
+    kind = getattr(mesh.devices.flat[0], "device_kind", "?")
+    return f"{mesh.devices.size} × {kind}"
+
+
+def describe_bytes(n: float) -> str:
+    """`512 B`, `1.5 KiB`, ..., `16.0 GiB`."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
 
 
 def describe_array(dtype, shape) -> str:
@@ -121,10 +136,12 @@ def _missing_axes(spec: PartitionSpec, mesh) -> str:
 
 
 @ft.lru_cache(maxsize=4096)
-def compare(spec: PartitionSpec, actual, ndim: int, mesh=None) -> str:
-    """How `actual` differs from `NamedSharding(mesh, spec)` for an array of `ndim`
-    dimensions, as the end of a sentence; "" if the two are equivalent. `mesh`
-    defaults to `actual`'s own."""
+def compare(spec: PartitionSpec, actual, shape: tuple, dtype, mesh=None) -> str:
+    """How `actual` differs from `NamedSharding(mesh, spec)` for an array of `shape`
+    and `dtype`, as the end of a sentence, each layout also in JAX's notation
+    (`float32[8@dp,4]`); "" if the two are equivalent. `mesh` defaults to `actual`'s
+    own."""
+    ndim = len(shape)
     if mesh is None:
         mesh = actual.mesh
     reason = _missing_axes(spec, mesh)
@@ -150,9 +167,12 @@ def compare(spec: PartitionSpec, actual, ndim: int, mesh=None) -> str:
     expected = NamedSharding(mesh, PartitionSpec(*entries))
     if expected.is_equivalent_to(actual, ndim):
         return ""
+    found = describe_sharding(actual, ndim)
+    if isinstance(actual, NamedSharding):
+        found += f" ({sharded_type(dtype, shape, actual.spec)})"
     return (
-        f"is {describe_sharding(actual, ndim)}, but the annotation expects "
-        f"{format_spec(spec)}, on mesh {describe_mesh(mesh)}"
+        f"is {found}, but the annotation expects {format_spec(spec)} "
+        f"({sharded_type(dtype, shape, expected.spec)}), on mesh {describe_mesh(mesh)}"
     )
 
 
@@ -199,7 +219,7 @@ def check(annotation, obj: Any) -> str:
                 f"the annotation's spec {format_spec(spec)} against. Run the code "
                 "inside `with jax.set_mesh(mesh):`."
             )
-    reason = compare(spec, sharding, obj.ndim, mesh)
+    reason = compare(spec, sharding, obj.shape, obj.dtype, mesh)
     return _phrase(describe_array(obj.dtype, obj.shape), reason) if reason else ""
 
 
@@ -212,8 +232,9 @@ def _check_traced(annotation, x) -> str:
             reason = _check_manual(annotation.spec, aval, mesh, is_batched(x))
             return _verdict(annotation, x, aval, reason)
         if types == {AxisType.Explicit}:
-            reason = compare(annotation.spec, aval.sharding, aval.ndim)
-            reason = _phrase(aval.str_short(), reason) if reason else ""
+            reason = compare(annotation.spec, aval.sharding, aval.shape, aval.dtype)
+            if reason:
+                reason = _phrase(describe_array(aval.dtype, aval.shape), reason)
             return _verdict(annotation, x, aval, reason)
     _add_probe(annotation, x, aval)
     return ""
@@ -258,7 +279,7 @@ def _check_manual(spec: PartitionSpec, aval, mesh, batched: bool) -> str:
                 for e in spec
             )
         )
-        reason = compare(rest, aval.sharding, aval.ndim)
+        reason = compare(rest, aval.sharding, aval.shape, aval.dtype)
         if reason:
             return _phrase(aval.str_short(), reason)
     return ""
@@ -293,7 +314,8 @@ class Site:
     annotation: str
     spec: PartitionSpec
     array: str
-    ndim: int
+    shape: tuple[int, ...]
+    dtype: Any
     axis_types: dict  # of the mesh at trace time: the compiled program's mesh has none
     recorder: Any = None  # a `_verify.Recorder`, while `jaxshard.verify` runs
     order: int = 0  # the order in which the checks were traced
@@ -387,8 +409,9 @@ def _site(annotation, x, aval, recorder=None) -> Site:
         name=name,
         annotation=repr(annotation),
         spec=annotation.spec,
-        array=aval.str_short(),
-        ndim=aval.ndim,
+        array=describe_array(aval.dtype, aval.shape),
+        shape=aval.shape,
+        dtype=aval.dtype,
         axis_types=dict(
             zip(aval.sharding.mesh.axis_names, aval.sharding.mesh.axis_types)
         ),
@@ -419,13 +442,13 @@ def _on_sharding(
 ) -> None:
     # Runs on an XLA compiler thread: never raise here (XLA would wrap the error in
     # `JaxRuntimeError: INTERNAL: Error calling inspect_sharding`); record instead.
-    sharding = _strip(sharding, batch_dims, site.ndim)
+    sharding = _strip(sharding, batch_dims, len(site.shape))
     if isinstance(sharding, NamedSharding):
         mesh = sharding.mesh
         if set(site.axis_types) == set(mesh.axis_names):
             types = tuple(site.axis_types[a] for a in mesh.axis_names)
             sharding = NamedSharding(mesh.update(axis_types=types), sharding.spec)
-        reason = compare(site.spec, sharding, site.ndim)
+        reason = compare(site.spec, sharding, site.shape, site.dtype)
     elif len(sharding.device_set) == 1:
         reason = ""
     else:

@@ -3,6 +3,7 @@
 import re
 from typing import Any
 
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from ._errors import AnnotationError
@@ -26,6 +27,21 @@ def format_spec(spec: PartitionSpec) -> str:
         else:
             parts.append(repr(entry))
     return f"P({', '.join(parts)})"
+
+
+def sharded_type(dtype: Any, shape: tuple[int, ...], spec: PartitionSpec) -> str:
+    """An array's type as JAX prints a sharded one: `float32[8@dp,4]`, with the
+    global size of each dimension and the mesh axes that split it
+    (`16@(dp,fsdp)` for several)."""
+    entries = [*spec, *[None] * (len(shape) - len(spec))]
+    dims = []
+    for size, entry in zip(shape, entries):
+        axes = axes_of(entry)
+        if len(axes) > 1:
+            dims.append(f"{size}@({','.join(axes)})")
+        else:
+            dims.append(f"{size}@{axes[0]}" if axes else str(size))
+    return f"{np.dtype(dtype).name}[{','.join(dims)}]"
 
 
 def validate_spec(spec: Any, num_dims: int, variadic: bool) -> PartitionSpec:

@@ -1,8 +1,9 @@
 """`jaxshard.verify`: compile a function for a mesh (a TPU pod's, on a CPU-only machine)
 from its annotations, and report every sharding contract with what XLA chose."""
 
+import dataclasses
 import inspect
-import re
+import os
 import threading
 import traceback
 from collections.abc import Callable, Mapping
@@ -10,7 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _config
 from ._abstract import _bound_inputs
@@ -29,29 +30,32 @@ from ._jax_internals import function_name, is_sharding_type_error
 from ._report import (
     _budget_rows,
     _check_budget,
-    _device_kind,
+    _check_tolerance,
     _does_not_fit,
     _flops,
     _memory,
     _violation,
+    layouts,
     Report,
     Row,
     sharding_budget_rows,
+    tally,
 )
 from ._sharding import (
     call_numbers,
     describe_call,
+    describe_devices,
     describe_mesh,
+    describe_sharding,
     naming,
     Site,
 )
 from ._signature import _name, _tree, signature
+from ._snapshot import load as load_snapshot
+from ._spec import sharded_type
 
 
 # --- recording ----------------------------------------------------------------------
-
-
-_SHARDING_IN_TYPE = re.compile(r"@(\([^)]*\)|\w+)")
 
 
 class Recorder:
@@ -81,16 +85,35 @@ class Recorder:
                 ok=not reason,
                 reason=reason,
                 annotation=site.annotation,
-                array=_SHARDING_IN_TYPE.sub("", site.array),  # the table shows it apart
+                array=site.array,
                 call=(
                     describe_call(site, numbers, short=True, within=self.function)
                     if reason
                     else ""
                 ),
+                types=_types(site, actual),
             )
             key = (row.function, row.name, row.annotation, row.array, row.reason)
             found.setdefault((*key, row.call), row)
         return tuple(found.values())
+
+
+def _types(site: Site, actual: Any) -> tuple[str, str]:
+    """The expected and the actual layout in JAX's notation, `float32[8@dp,4]`."""
+    expected = site.spec
+    if isinstance(actual, NamedSharding):
+        found = actual.spec
+        # An unconstrained dimension expects what it has.
+        expected = PartitionSpec(
+            *(
+                a if e is PartitionSpec.UNCONSTRAINED else e
+                for e, a in zip(expected, [*found, *[None] * len(site.shape)])
+            )
+        )
+        found = sharded_type(site.dtype, site.shape, found)
+    else:
+        found = describe_sharding(actual, len(site.shape))
+    return sharded_type(site.dtype, site.shape, expected), found
 
 
 def _qualname(function: Any) -> str | None:
@@ -117,6 +140,8 @@ def verify(
     hbm_budget: int | None = None,
     min_sharded_fraction: float | None = None,
     max_replicated_bytes: int | None = None,
+    against: str | os.PathLike | None = None,
+    tolerance: float = 0.05,
 ) -> Report:
     """Compiles `fn` for `mesh` from its annotations and checks every sharding
     contract on the way.
@@ -148,6 +173,11 @@ def verify(
         `assert_params_sufficiently_sharded` asks; `max_replicated_bytes`: the most
         bytes of fully replicated inputs each device may hold. A violation lists the
         largest replicated inputs first.
+    - `against`: a golden snapshot, written by `report.save(path)` from an earlier
+        report: each difference from it is a violation (an input or output laid out
+        differently, a contract's verdict changed, a collective added or moved, more
+        bytes moved or memory per device than the snapshot's by more than
+        `tolerance`, a fraction: 0.05 allows 5% growth).
     - `raise_on_error`: raise `jaxshard.ShardingError` listing every violation
         (`True`, the default), or return the report either way.
 
@@ -183,6 +213,11 @@ def verify(
     )
     given = values is None or isinstance(values, Mapping)
     expect(given, "verify", "values", "a dict", values)
+    given = against is None or isinstance(against, (str, os.PathLike))
+    expect(given, "verify", "against", "the path of a snapshot", against)
+    _check_tolerance(tolerance)
+    if against is not None:
+        load_snapshot(against)  # a missing or wrong file fails before compiling
     name = _name(fn)
     what = f"jaxshard.verify({name})"
     bound = _bound_inputs(fn, mesh, dims, dtypes, values, what)
@@ -234,19 +269,16 @@ def verify(
             compiled = None
             refused = str(e).split("RESOURCE_EXHAUSTED:", 1)[-1].strip()
     if compiled is None:
-        found, memory = (), None
+        found, memory, inputs, outputs = (), None, {}, {}
         budget = (_does_not_fit(refused),)
     else:
         found = collectives(compiled.as_text(), mesh)
         memory = _memory(compiled, mesh)
+        inputs = layouts(traced, compiled.input_shardings[0])
+        outputs = layouts(compiled.out_info, compiled.output_shardings, "return")
         budget = _budget_rows(
             found, max_collectives, max_collective_bytes, memory, hbm_budget
-        ) + sharding_budget_rows(
-            traced,
-            compiled.input_shardings[0],
-            min_sharded_fraction,
-            max_replicated_bytes,
-        )
+        ) + sharding_budget_rows(inputs, min_sharded_fraction, max_replicated_bytes)
     report = Report(
         function=name,
         mesh=mesh,
@@ -254,14 +286,18 @@ def verify(
         memory=memory,
         flops=None if compiled is None else _flops(compiled),
         compiled=compiled,
+        inputs=inputs,
+        outputs=outputs,
     )
     report.__dict__["collectives"] = found  # what the cached property would compute
+    if against is not None:
+        rows = report.rows + report.compare(against, tolerance=tolerance)
+        report = dataclasses.replace(report, rows=rows)
+        report.__dict__["collectives"] = found
     if raise_on_error and not report.ok:
-        count = len(report.violations)
         error = ShardingError(
-            f"{count} sharding contract{'s' if count > 1 else ''} violated when "
-            f"{name} was compiled for mesh {describe_mesh(mesh)} "
-            f"({_device_kind(mesh)}):\n"
+            f"{tally(report.violations)} when {name} was compiled for mesh "
+            f"{describe_mesh(mesh)} ({describe_devices(mesh)}):\n"
             + "\n".join(f"- {_violation(r)}" for r in report.violations)
         )
         error.report = report  # pyright: ignore[reportAttributeAccessIssue]

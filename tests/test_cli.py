@@ -110,7 +110,7 @@ def test_contracts_hold(run):
     code, out, _ = run("verify", "model:layer", "--mesh", "dp=4,tp=2", *DIMS)
     assert code == 0, out
     assert re.search(
-        r"^layer +x +float32\[16,8\] +P\('dp'\) +P\('dp'\) +ok$", out, re.M
+        r"^layer +x +P\('dp'\) +P\('dp'\) +float32\[16@dp,8\] +ok$", out, re.M
     )
     assert "All 3 contracts hold." in out
     assert "8 × cpu" in out
@@ -119,7 +119,7 @@ def test_contracts_hold(run):
 def test_violations_exit_1(run):
     code, out, _ = run("verify", "model.py:mis_annotated", "--mesh", "dp=4,tp=2", *DIMS)
     assert code == 1
-    assert "VIOLATED" in out and "1 of 6 contracts violated" in out
+    assert "VIOLATED" in out and "1 of 6 sharding contracts violated" in out
 
 
 def test_json(run):
@@ -152,7 +152,7 @@ def test_dtype(run):
     code, out, _ = run(
         "verify", "model:layer", "--mesh", "dp=4,tp=2", "--dtype", "bfloat16", *DIMS
     )
-    assert code == 0 and "bfloat16[16,8]" in out
+    assert code == 0 and "bfloat16[16@dp,8]" in out
 
 
 def test_a_jitted_function(run):

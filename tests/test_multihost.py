@@ -72,7 +72,8 @@ def test_sharding_violation(processes):
     )
     for name, message in caught[0].items():
         assert (
-            "is sharded as P('dp', None), but the annotation expects P(None, 'dp')"
+            "is sharded as P('dp', None) (float32[16@dp,8]), but the annotation "
+            "expects P(None, 'dp') (float32[16,8@dp])"
             in message
             or "differs across the shard_map mesh axes" in message
         ), (name, message)

@@ -101,7 +101,7 @@ def test_collects_every_violation(mesh):
     assert bad.expected == P(None, "tp") and tuple(bad.actual.spec)[:1] == ("dp",)
     assert "P(None, 'tp')" in bad.reason
     text = str(report)
-    assert "VIOLATED" in text and "2 of 5 contracts violated" in text
+    assert "VIOLATED" in text and "2 of 5 sharding contracts violated" in text
     assert json.loads(report.to_json())["rows"][1]["expected"] == "P(None, 'tp')"
     with pytest.raises(jaxshard.ShardingError) as e:
         jaxshard.verify(two_wrong, mesh=mesh, dims=DIMS)

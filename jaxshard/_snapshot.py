@@ -1,0 +1,273 @@
+"""Golden snapshots of `jaxshard.verify`'s report: what `report.save(path)` writes and
+what `verify(..., against=path)` compares.
+
+A snapshot is sorted JSON with nothing that changes from run to run (no times, no
+addresses, no line numbers): every input's and output's layout in JAX's notation
+(`bfloat16[4096@fsdp,32@tp]`), every contract's verdict, the collectives per kind
+(count, bytes, and the functions and mesh axes they came from) and the memory per
+device. Counts, layouts and verdicts must match exactly; bytes may grow by the
+tolerance.
+"""
+
+import json
+import os
+from collections import Counter
+from typing import Any
+
+from jax.sharding import NamedSharding
+
+from ._sharding import describe_bytes, describe_devices, describe_sharding
+from ._spec import format_spec, sharded_type
+
+
+FORMAT = 1
+MEMORY = ("arguments", "outputs", "temporaries", "aliased", "total")  # not "code"
+
+
+def snapshot(report: Any) -> dict:
+    """The report as plain, stable data."""
+    collectives: dict[str, dict] = {}
+    for c in report.collectives:
+        entry = collectives.setdefault(c.kind, {"count": 0, "bytes": 0, "sites": {}})
+        entry["count"] += 1
+        entry["bytes"] += c.bytes
+        site = _site(c)
+        entry["sites"][site] = entry["sites"].get(site, 0) + 1
+    contracts = [
+        {
+            "function": row.function or "",
+            "value": row.name or "",
+            "expected": format_spec(row.expected),
+            "actual": row.actual_spec,
+            "type": row.actual_type or row.array,
+            "ok": row.ok,
+        }
+        for row in report.rows
+        if row.budget is None
+    ]
+    contracts = sorted({json.dumps(c, sort_keys=True): c for c in contracts}.items())
+    memory = report.memory
+    return {
+        "jaxshard_snapshot": FORMAT,
+        "function": report.function,
+        # A string keeps the axes in order (the keys of a JSON object are sorted).
+        "mesh": ",".join(f"{k}={v}" for k, v in report.mesh.shape.items()),
+        "axis_types": [t.name for t in report.mesh.axis_types],
+        "devices": describe_devices(report.mesh),
+        "inputs": {k: _type(v) for k, v in report.inputs.items()},
+        "outputs": {k: _type(v) for k, v in report.outputs.items()},
+        "contracts": [c for _, c in contracts],
+        "collectives": collectives,
+        "memory": None if memory is None else {k: memory[k] for k in MEMORY},
+    }
+
+
+def dumps(data: dict) -> str:
+    return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def save(report: Any, path: str | os.PathLike) -> None:
+    path = os.fspath(path)
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    text = dumps(snapshot(report))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def load(path: str | os.PathLike, what: str = "jaxshard.verify") -> dict:
+    """A snapshot written by `report.save`; a clear error for anything else."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{what}: there is no snapshot at {path}. Write one first, from a "
+            "report you trust: `report.save(path)` (or `--snapshot PATH` on the "
+            "command line)."
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{what}: cannot read the snapshot {path}: {e}") from None
+    if not isinstance(data, dict) or "jaxshard_snapshot" not in data:
+        raise ValueError(
+            f"{what}: {path} is not a jaxshard snapshot (one written by "
+            "`report.save(path)` or `--snapshot PATH`)."
+        )
+    if data["jaxshard_snapshot"] != FORMAT:
+        raise ValueError(
+            f"{what}: the snapshot {path} has format {data['jaxshard_snapshot']!r}; "
+            f"this jaxshard reads format {FORMAT}. Write it again with "
+            "`report.save(path)`."
+        )
+    return data
+
+
+def differences(
+    report: Any, old: dict, tolerance: float = 0.05
+) -> list[tuple[str, str, str, str]]:
+    """How `report` differs from the snapshot `old`: one `(what, was, now, sentence)`
+    per difference, in the snapshot's order. Memory and bytes moved may grow by
+    `tolerance` (a fraction) and may shrink freely; everything else must match."""
+    new = snapshot(report)
+    found = []
+    for key in ("mesh", "axis_types", "devices"):
+        if old.get(key) != new[key]:
+            found.append(
+                (
+                    key.replace("_", " "),
+                    str(old.get(key)),
+                    str(new[key]),
+                    f"the snapshot was taken on {_mesh(old)}, this program is "
+                    f"compiled for {_mesh(new)}: the rest cannot be compared. Compare "
+                    "with a snapshot of the same mesh, or save a new one.",
+                )
+            )
+            return found
+    for side in ("inputs", "outputs"):
+        found += _layouts(side, old.get(side, {}), new[side])
+    found += _contracts(old.get("contracts", []), new["contracts"])
+    found += _collectives(old.get("collectives", {}), new["collectives"], report)
+    for kind, now in sorted(new["collectives"].items()):
+        was = old.get("collectives", {}).get(kind, {}).get("bytes", 0)
+        if was and (grew := _grew(was, now["bytes"], tolerance)):
+            found.append(
+                (
+                    f"collectives: {kind} bytes",
+                    describe_bytes(was),
+                    describe_bytes(now["bytes"]),
+                    f"{kind}s move {describe_bytes(now['bytes'])} per device, "
+                    f"{describe_bytes(was)} in the snapshot: {grew}.",
+                )
+            )
+    was, now = old.get("memory"), new["memory"]
+    if was and now and (grew := _grew(was["total"], now["total"], tolerance)):
+        parts = ", ".join(
+            f"{k} {describe_bytes(was[k])} -> {describe_bytes(now[k])}"
+            for k in ("arguments", "outputs", "temporaries")
+        )
+        found.append(
+            (
+                "memory per device",
+                describe_bytes(was["total"]),
+                describe_bytes(now["total"]),
+                f"the program needs {describe_bytes(now['total'])} per device, "
+                f"{describe_bytes(was['total'])} in the snapshot: {grew} ({parts}).",
+            )
+        )
+    return found
+
+
+# --- the parts ----------------------------------------------------------------------
+
+
+def _layouts(side: str, old: dict, new: dict) -> list:
+    value = side[:-1]  # "input", "output"
+    found = []
+    for name in sorted(old.keys() | new.keys()):
+        was, now = old.get(name), new.get(name)
+        if was == now:
+            continue
+        if was is None:
+            sentence = f"a new {value}, {now}."
+        elif now is None:
+            sentence = f"the {value} ({was}) is gone."
+        else:
+            sentence = f"was {was}, now {now}{_replicated(was, now)}."
+        found.append((f"{side[:-1]} {name}", str(was), str(now), sentence))
+    return found
+
+
+def _replicated(was: str, now: str) -> str:
+    if "@" in was and "@" not in now:
+        return ": every device now holds all of it (replicated)"
+    if "@" in now and "@" not in was:
+        return ": it is now split over devices"
+    return ""
+
+
+def _contracts(old: list, new: list) -> list:
+    """Contracts are matched by function, value and expected spec; one may have
+    several verdicts (a function called with different shapes)."""
+
+    def verdicts(contracts: list) -> dict[tuple, str]:
+        out: dict[tuple, list] = {}
+        for c in contracts:
+            verdict = f"{c['type']} ({'holds' if c['ok'] else 'VIOLATED'})"
+            out.setdefault((c["function"], c["value"], c["expected"]), []).append(
+                verdict
+            )
+        return {k: "; ".join(sorted(v)) for k, v in out.items()}
+
+    was, now = verdicts(old), verdicts(new)
+    found = []
+    for k in sorted(was.keys() | now.keys()):
+        function, value, expected = k
+        a, b = was.get(k), now.get(k)
+        if a == b:
+            continue
+        if a is None:
+            sentence = f"a new contract, expecting {expected}: {b}."
+        elif b is None:
+            sentence = f"no longer checked; it expected {expected} and was {a}."
+        else:
+            sentence = f"expects {expected}; was {a}, now {b}."
+        what = f"contract {function + ', ' if function else ''}{value}"
+        found.append((what, a or "absent", b or "absent", sentence))
+    return found
+
+
+def _collectives(old: dict, new: dict, report: Any) -> list:
+    found = []
+    for kind in sorted(old.keys() | new.keys()):
+        a = old.get(kind, {"count": 0, "sites": {}})
+        b = new.get(kind, {"count": 0, "sites": {}})
+        if a["count"] == b["count"] and a["sites"] == b["sites"]:
+            continue
+        added = Counter(b["sites"]) - Counter(a["sites"])
+        removed = Counter(a["sites"]) - Counter(b["sites"])
+        parts = []
+        for site, n in sorted(added.items()):
+            lines = sorted({c.where for c in report.collectives if _site(c) == site})
+            at = f", at {', '.join(lines[:3])}" if lines else ""
+            parts.append(f"{n} new in {site}{at}")
+        parts += [f"{n} fewer in {site}" for site, n in sorted(removed.items())]
+        found.append(
+            (
+                f"collectives: {kind}",
+                str(a["count"]),
+                str(b["count"]),
+                f"{a['count']} in the snapshot, {b['count']} now: "
+                + "; ".join(parts)
+                + ".",
+            )
+        )
+    return found
+
+
+def _grew(was: int, now: int, tolerance: float) -> str:
+    """How much `now` grew over `was`, as words, if by more than `tolerance`."""
+    if now <= was * (1 + tolerance):
+        return ""
+    by = "from nothing" if not was else f"by {now / was - 1:.1%}"
+    return f"grown {by}, more than the tolerance ({tolerance:.0%})"
+
+
+def _site(c: Any) -> str:
+    axes = "" if c.axes is None else f" over {','.join(c.axes) or '(none)'}"
+    return f"{c.function or '(unknown)'}{axes}"
+
+
+def _type(value: Any) -> str:
+    sharding = value.sharding
+    if isinstance(sharding, NamedSharding):
+        return sharded_type(value.dtype, value.shape, sharding.spec)
+    return (
+        sharded_type(value.dtype, value.shape, ())
+        + f" ({describe_sharding(sharding, len(value.shape))})"
+    )
+
+
+def _mesh(data: dict) -> str:
+    types = "/".join(sorted(set(data.get("axis_types") or ())))
+    return f"mesh {data.get('mesh')} ({types} axes) of {data.get('devices')}"
