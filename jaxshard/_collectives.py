@@ -236,7 +236,8 @@ def collectives(hlo_text: str, mesh: Any = None) -> tuple[Collective, ...]:
                 filename=where[0] if where else None,
                 lineno=where[1] if where else None,
                 function=where[2] if where else None,
-                op_name=op_name[1] if op_name else "",
+                # HLO text escapes quotes: `inputs[\\'table\\']`.
+                op_name=op_name[1].replace("\\'", "'") if op_name else "",
             )
         )
     return tuple(found)
