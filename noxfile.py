@@ -82,9 +82,12 @@ def demo(session):
 
 @nox.session
 def examples(session):
-    """A transformer block verified for TPU v5e and v5p pods, without a TPU."""
+    """A transformer verified for TPU v5e and v5p pods without a TPU, on Auto and
+    on Explicit axes, each against its committed snapshot."""
     session.install("-e", ".[tpu]", "equinox")
-    session.run("python", "examples/transformer.py", env={"JAX_PLATFORMS": "cpu"})
+    env = {"JAX_PLATFORMS": "cpu"}
+    session.run("python", "examples/transformer.py", env=env)
+    session.run("python", "examples/transformer.py", "--explicit", env=env)
 
 
 @nox.session

@@ -6,16 +6,22 @@ replicated), "fsdp" (fully sharded data parallel: the batch is split and so are 
 weights, which XLA gathers before each layer uses them) and "tp" (tensor parallel:
 attention heads and MLP hidden units are split). `jaxshard.verify` compiles the model
 for a 256-chip TPU v5e pod and a 64-chip TPU v5p slice with libtpu's compiler and
-checks every annotation against the sharding XLA chose. Then a block whose return
-annotation forgets that "fsdp" splits the batch too shows what a violation looks like.
+checks every annotation against the sharding XLA chose. The v5e pod's report is
+checked against its golden snapshot, committed next to this file: a change that alters
+a layout, adds a collective or grows the memory per device by more than 5% fails.
+Then a block whose return annotation forgets that "fsdp" splits the batch too shows
+what a violation looks like.
 
 Run: `python examples/transformer.py` (needs libtpu: `pip install 'jaxshard[tpu]'`;
-without it, 8 simulated CPU devices stand in for the pods). The meshes have Auto axes,
-as most pod code uses; `--explicit` verifies the same model on Explicit axes.
+without it, 8 simulated CPU devices stand in for the pods, and no snapshot is
+compared). The meshes have Auto axes, as most pod code uses; `--explicit` verifies the
+same model on Explicit axes. After an intended change, `--update-snapshot` rewrites the
+snapshot.
 """
 
 import importlib.util
 import os
+import pathlib
 import sys
 from typing import Any, NamedTuple
 
@@ -157,6 +163,9 @@ def block_misannotated(
 # --- verifying ----------------------------------------------------------------------
 
 
+POD = "v5e:16x16"
+
+
 def meshes(axis_types: str) -> list[jax.sharding.Mesh]:
     """A 256-chip TPU v5e pod and a 64-chip TPU v5p slice, or simulated CPU devices."""
     if importlib.util.find_spec("libtpu") is None:
@@ -169,24 +178,42 @@ def meshes(axis_types: str) -> list[jax.sharding.Mesh]:
         types = (AxisType.Explicit if axis_types == "explicit" else AxisType.Auto,) * 3
         return [jax.make_mesh((2, 2, 2), ("dp", "fsdp", "tp"), axis_types=types)]
     return [
-        jaxshard.tpu_mesh(
-            "v5e:16x16", {"dp": 4, "fsdp": 8, "tp": 8}, axis_types=axis_types
-        ),
+        jaxshard.tpu_mesh(POD, {"dp": 4, "fsdp": 8, "tp": 8}, axis_types=axis_types),
         jaxshard.tpu_mesh(
             "v5p:4x4x4", {"dp": 4, "fsdp": 4, "tp": 4}, axis_types=axis_types
         ),
     ]
 
 
+def snapshot(mesh: jax.sharding.Mesh, axis_types: str) -> pathlib.Path | None:
+    """The golden snapshot of the model's report on a TPU pod (none off TPUs)."""
+    if mesh.devices.flat[0].platform != "tpu":
+        return None
+    name = f"transformer.{POD.replace(':', '-')}.{axis_types}.json"
+    return pathlib.Path(__file__).with_name(name)
+
+
 def main() -> int:
     axis_types = "explicit" if "--explicit" in sys.argv[1:] else "auto"
+    update = "--update-snapshot" in sys.argv[1:]
     # 24 layers, 4.8 billion parameters in bfloat16; batches of 256 sequences of 2048.
     dims = {**DIMS, "batch": 256, "seqlen": 2048, "layers": 24}
     pod, *others = meshes(axis_types)
+    golden = snapshot(pod, axis_types)
     for mesh in (pod, *others):
-        # Raises jaxshard.ShardingError, listing every violation, if there is one.
-        report = jaxshard.verify(model, mesh=mesh, dims=dims, dtypes=jnp.bfloat16)
+        # Raises jaxshard.ShardingError, listing every violation (and every
+        # difference from the snapshot), if there is one.
+        compare = mesh is pod and golden and golden.exists() and not update
+        against = golden if compare else None
+        report = jaxshard.verify(
+            model, mesh=mesh, dims=dims, dtypes=jnp.bfloat16, against=against
+        )
         print(report, end="\n\n")
+        if against:
+            print(f"As in the snapshot {golden.name}.\n")
+        elif mesh is pod and golden:
+            report.save(golden)
+            print(f"Snapshot written: {golden.name}.\n")
 
     report = jaxshard.verify(
         block_misannotated,

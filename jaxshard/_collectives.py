@@ -49,9 +49,13 @@ class Collective:
 
     @property
     def where(self) -> str:
+        """`model.py:12 (forward)`, the path relative to the working directory when
+        under it; or JAX's op name when no line is known."""
         if self.filename is None:
             return self.op_name or "(unknown)"
-        return f"{self.filename}:{self.lineno} ({self.function})"
+        path = os.path.relpath(self.filename)
+        path = self.filename if path.startswith(os.pardir) else path
+        return f"{path}:{self.lineno} ({self.function})"
 
 
 _DTYPE_BYTES = {

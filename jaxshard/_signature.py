@@ -195,7 +195,10 @@ def _array_annotations(annotation: Any, seen: set | None = None) -> list:
     out = []
     for a in get_args(annotation):
         out += _array_annotations(a, seen)
-    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+    if isinstance(annotation, type) and (
+        dataclasses.is_dataclass(annotation)  # equinox Modules too
+        or (issubclass(annotation, tuple) and hasattr(annotation, "_fields"))
+    ):
         for a in typing.get_type_hints(annotation, include_extras=True).values():
             out += _array_annotations(a, seen)
     return out

@@ -28,11 +28,13 @@ def snapshot(report: Any) -> dict:
     """The report as plain, stable data."""
     collectives: dict[str, dict] = {}
     for c in report.collectives:
-        entry = collectives.setdefault(c.kind, {"count": 0, "bytes": 0, "sites": {}})
+        entry = collectives.setdefault(
+            c.kind, {"count": 0, "bytes": 0, "axes": {}, "functions": {}}
+        )
         entry["count"] += 1
         entry["bytes"] += c.bytes
-        site = _site(c)
-        entry["sites"][site] = entry["sites"].get(site, 0) + 1
+        for key, value in (("axes", _axes(c)), ("functions", _function(c))):
+            entry[key][value] = entry[key].get(value, 0) + 1
     contracts = [
         {
             "function": row.function or "",
@@ -45,7 +47,8 @@ def snapshot(report: Any) -> dict:
         for row in report.rows
         if row.budget is None
     ]
-    contracts = sorted({json.dumps(c, sort_keys=True): c for c in contracts}.items())
+    contracts = {json.dumps(c, sort_keys=True): c for c in contracts}.values()
+    order = ("function", "value", "expected", "type", "actual", "ok")
     memory = report.memory
     return {
         "jaxshard_snapshot": FORMAT,
@@ -56,7 +59,7 @@ def snapshot(report: Any) -> dict:
         "devices": describe_devices(report.mesh),
         "inputs": {k: _type(v) for k, v in report.inputs.items()},
         "outputs": {k: _type(v) for k, v in report.outputs.items()},
-        "contracts": [c for _, c in contracts],
+        "contracts": sorted(contracts, key=lambda c: [str(c[k]) for k in order]),
         "collectives": collectives,
         "memory": None if memory is None else {k: memory[k] for k in MEMORY},
     }
@@ -187,51 +190,59 @@ def _replicated(was: str, now: str) -> str:
 
 
 def _contracts(old: list, new: list) -> list:
-    """Contracts are matched by function, value and expected spec; one may have
-    several verdicts (a function called with different shapes)."""
+    """Contracts are matched by function and value; one may have several
+    annotations or verdicts (a function called with different shapes)."""
 
     def verdicts(contracts: list) -> dict[tuple, str]:
         out: dict[tuple, list] = {}
         for c in contracts:
-            verdict = f"{c['type']} ({'holds' if c['ok'] else 'VIOLATED'})"
-            out.setdefault((c["function"], c["value"], c["expected"]), []).append(
-                verdict
-            )
+            state = "holds" if c["ok"] else "VIOLATED"
+            verdict = f"expects {c['expected']}: {c['type']} ({state})"
+            out.setdefault((c["function"], c["value"]), []).append(verdict)
         return {k: "; ".join(sorted(v)) for k, v in out.items()}
 
     was, now = verdicts(old), verdicts(new)
     found = []
     for k in sorted(was.keys() | now.keys()):
-        function, value, expected = k
+        function, value = k
         a, b = was.get(k), now.get(k)
         if a == b:
             continue
         if a is None:
-            sentence = f"a new contract, expecting {expected}: {b}."
+            sentence = f"a new contract, which {b}."
         elif b is None:
-            sentence = f"no longer checked; it expected {expected} and was {a}."
+            sentence = f"no longer checked; it {a}."
         else:
-            sentence = f"expects {expected}; was {a}, now {b}."
+            sentence = f"was: {a}; now: {b}."
         what = f"contract {function + ', ' if function else ''}{value}"
         found.append((what, a or "absent", b or "absent", sentence))
     return found
 
 
 def _collectives(old: dict, new: dict, report: Any) -> list:
+    """Counts per kind and mesh axes must match. Which function a collective is
+    attributed to only describes a new one: JAX versions attribute differently."""
     found = []
     for kind in sorted(old.keys() | new.keys()):
-        a = old.get(kind, {"count": 0, "sites": {}})
-        b = new.get(kind, {"count": 0, "sites": {}})
-        if a["count"] == b["count"] and a["sites"] == b["sites"]:
+        a = old.get(kind, {"count": 0, "axes": {}})
+        b = new.get(kind, {"count": 0, "axes": {}})
+        if a["count"] == b["count"] and a["axes"] == b["axes"]:
             continue
-        added = Counter(b["sites"]) - Counter(a["sites"])
-        removed = Counter(a["sites"]) - Counter(b["sites"])
+        added = Counter(b["axes"]) - Counter(a["axes"])
+        removed = Counter(a["axes"]) - Counter(b["axes"])
         parts = []
-        for site, n in sorted(added.items()):
-            lines = sorted({c.where for c in report.collectives if _site(c) == site})
+        for axes, n in sorted(added.items()):
+            lines = sorted(
+                {
+                    c.where
+                    for c in report.collectives
+                    if c.kind == kind and _axes(c) == axes
+                }
+            )
             at = f", at {', '.join(lines[:3])}" if lines else ""
-            parts.append(f"{n} new in {site}{at}")
-        parts += [f"{n} fewer in {site}" for site, n in sorted(removed.items())]
+            more = f" and {len(lines) - 3} more places" if len(lines) > 3 else ""
+            parts.append(f"{n} more over {axes}{at}{more}")
+        parts += [f"{n} fewer over {axes}" for axes, n in sorted(removed.items())]
         found.append(
             (
                 f"collectives: {kind}",
@@ -253,9 +264,12 @@ def _grew(was: int, now: int, tolerance: float) -> str:
     return f"grown {by}, more than the tolerance ({tolerance:.0%})"
 
 
-def _site(c: Any) -> str:
-    axes = "" if c.axes is None else f" over {','.join(c.axes) or '(none)'}"
-    return f"{c.function or '(unknown)'}{axes}"
+def _axes(c: Any) -> str:
+    return "(unknown axes)" if c.axes is None else ",".join(c.axes) or "(no axes)"
+
+
+def _function(c: Any) -> str:
+    return c.function or "(unknown)"
 
 
 def _type(value: Any) -> str:

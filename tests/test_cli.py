@@ -12,6 +12,8 @@ import pytest
 
 MODEL = textwrap.dedent(
     """
+    from typing import NamedTuple
+
     import beartype
     import jax
     import jax.numpy as jnp
@@ -80,6 +82,14 @@ MODEL = textwrap.dedent(
 
 
     model = Model(jnp.ones((8, 16)))
+
+
+    class Weights(NamedTuple):
+        w: Float[Array, "d f", P(None, "tp")]
+
+
+    def named(p: Weights, x: Float[Array, "b d", P("dp")]) -> Float[Array, "b f"]:
+        return x @ p.w
     """
 )
 
@@ -146,6 +156,13 @@ def test_tpu_topology(run):
     )
     assert code == 0, out
     assert "4 × TPU v5 lite" in out
+
+
+def test_dimensions_of_namedtuple_fields(run):
+    """Dimensions used only inside a NamedTuple parameter's fields are not stray."""
+    code, out, err = run("verify", "model:named", "--mesh", "dp=4,tp=2", *DIMS)
+    assert code == 0, err
+    assert re.search(r"^named +p\.w +P\(None, 'tp'\)", out, re.M), out
 
 
 def test_dtype(run):
