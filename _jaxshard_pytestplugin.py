@@ -6,6 +6,8 @@
 - fixture `tpu_topology`: a factory for meshes of a TPU topology's devices,
   `tpu_topology("v5e:16x16", {"dp": 16, "tp": 16})`; skips the test with an install
   hint when libtpu is absent. The marker `@pytest.mark.tpu_topology` does the same.
+- `--jaxshard-rules MODULE:OBJECT` (or the ini option `jaxshard_axis_rules`): the
+  default axis rules for logical annotations in every test.
 - fixture `jaxshard_snapshot`: `jaxshard_snapshot(report)` checks a `jaxshard.verify`
   report against the test's golden snapshot in `__snapshots__/` next to the test
   file, writing it when there is none; `--jaxshard-snapshot-update` rewrites them.
@@ -47,7 +49,19 @@ def pytest_addoption(parser):
         help="write the golden snapshots the jaxshard_snapshot fixture is given, "
         "instead of comparing reports with them",
     )
+    group.addoption(
+        "--jaxshard-rules",
+        metavar="MODULE:OBJECT",
+        help="the default axis rules for logical annotations (jaxshard.L, BY_NAME) in "
+        "every test: a rule table, e.g. model:FSDP_RULES (overrides the "
+        "jaxshard_axis_rules ini option)",
+    )
     parser.addini("jaxshard_devices", help="simulate this many CPU devices", default="")
+    parser.addini(
+        "jaxshard_axis_rules",
+        help="MODULE:OBJECT, the default axis rules for logical annotations",
+        default="",
+    )
 
 
 def pytest_configure(config):
@@ -71,6 +85,23 @@ def pytest_configure(config):
             ) from None
     if n is not None:
         _simulate_devices(n, source)
+    rules = (
+        config.getoption("jaxshard_rules")
+        or str(config.getini("jaxshard_axis_rules")).strip()
+    )
+    if rules:
+        _default_rules(rules)
+
+
+def _default_rules(target: str) -> None:
+    import jaxshard
+    from jaxshard._cli import _load_object
+
+    try:
+        table = _load_object(target, "--jaxshard-rules")
+        jaxshard.config.update("axis_rules", table() if callable(table) else table)
+    except (ValueError, TypeError, ImportError) as e:
+        raise pytest.UsageError(f"--jaxshard-rules {target}: {e}") from None
 
 
 def _simulate_devices(n: int, source: str) -> None:

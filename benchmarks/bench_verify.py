@@ -13,9 +13,12 @@ on this CPU-only machine. Two ways of stacking the layers:
 Each is measured two ways, alternating within every round (A B, B A, A B, ...) so that
 drift on a busy machine hits each alike:
 
-- verify: `jaxshard.verify(model, mesh=..., dims=..., dtypes=bfloat16)`, everything
-    included (building the abstract inputs, tracing with every contract checked,
-    compiling, reading the shardings XLA chose, memory and cost analysis);
+- verify: `jaxshard.verify(model, mesh=..., dims=..., dtypes=bfloat16, against=...)`
+    then `report.save(...)`, everything included (building the abstract inputs,
+    tracing with every contract checked, compiling, reading the shardings XLA chose,
+    the collectives from the compiled program's text, memory and cost analysis,
+    comparing with a golden snapshot, written once before the rounds, and writing a
+    new one);
 - plain: `jax.jit(model).lower(*args).compile()` of the same model with no checks at
     all, on the same abstract inputs (`jaxshard.abstract_args`, so the same input
     shardings), built outside the timed region.
@@ -37,6 +40,7 @@ import os
 import pathlib
 import re
 import sys
+import tempfile
 import time
 from collections import Counter
 from statistics import median
@@ -132,11 +136,17 @@ def compare(checked_model, plain_model, mesh, dims, rounds: int):
     operations the checked program has beyond the plain one's, and the plain one's."""
     args = jaxshard.abstract_args(checked_model, mesh, dims, jnp.bfloat16)
     programs = {}
+    snapshots = pathlib.Path(tempfile.mkdtemp())
+    golden = snapshots / "golden.json"
+    jaxshard.verify(checked_model, mesh=mesh, dims=dims, dtypes=jnp.bfloat16).save(
+        golden
+    )
 
     def verify():
         report = jaxshard.verify(
-            checked_model, mesh=mesh, dims=dims, dtypes=jnp.bfloat16
+            checked_model, mesh=mesh, dims=dims, dtypes=jnp.bfloat16, against=golden
         )
+        report.save(snapshots / "new.json")
         programs["checked"] = report.compiled
 
     def plain():

@@ -111,7 +111,11 @@ else:
     )
 from ._abstract import abstract_args as abstract_args
 from ._check_records import CheckError as CheckError, Failure as Failure
-from ._check_tree import check_tree as check_tree
+from ._check_tree import (
+    check_partitioning as check_partitioning,
+    check_tree as check_tree,
+    Partitioned as Partitioned,
+)
 from ._checks import (
     check as check,
     check_finite as check_finite,
@@ -132,6 +136,7 @@ from ._errors import (
 )
 from ._jax_internals import TESTED_JAX as TESTED_JAX
 from ._launch import launch as launch, ProcessOutcome as ProcessOutcome
+from ._logical import axis_rules as axis_rules, BY_NAME as BY_NAME, L as L
 from ._mesh import tpu_mesh as tpu_mesh
 from ._report import Memory as Memory, Report as Report, Row as Row
 from ._signature import (

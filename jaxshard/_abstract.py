@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from . import _dims
 from ._array_types import partition_spec
 from ._errors import expect_callable
+from ._logical import using
 from ._signature import (
     _array_annotations,
     _input_spec,
@@ -220,6 +221,7 @@ def abstract_args(
     dtypes: Any = None,
     *,
     values: Mapping[str, Any] | None = None,
+    rules: Any = None,
 ) -> tuple:
     """Abstract inputs for `fn`, from its annotations: for `jit(fn).lower(*args)`.
 
@@ -237,6 +239,8 @@ def abstract_args(
         `"params.w1"`), or a dtype class (`jaxshard.Float`, or its name `"Float"`), to a
         dtype.
     - `values`: values for parameters that are not arrays, or to use as given.
+    - `rules`: the axis rules for logical annotations (`L(...)`, `BY_NAME`), as
+        `jaxshard.axis_rules` takes them; by default those in force.
 
     **Returns:**
 
@@ -263,7 +267,8 @@ def abstract_args(
     mesh = _resolve_mesh(mesh, "jaxshard.abstract_args")
     what = f"jaxshard.abstract_args({_name(fn)})"
     sig, _ = signature(fn)
-    bound = _bound_inputs(fn, mesh, dims, dtypes, values, what)
+    with using(rules):
+        bound = _bound_inputs(fn, mesh, dims, dtypes, values, what)
     out = []
     for p in sig.parameters.values():
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):

@@ -7,6 +7,7 @@ third item, a `PartitionSpec`, it returns a subclass of that annotation whose
 """
 
 import copyreg
+import functools as ft
 import typing
 from typing import Any, get_args, get_origin
 
@@ -14,7 +15,7 @@ import jax
 import jaxtyping
 from jax.sharding import PartitionSpec
 
-from . import _decorator, _sharding
+from . import _decorator, _dims, _sharding
 from ._errors import AnnotationError
 from ._jax_internals import (
     ArrayMeta,
@@ -22,6 +23,7 @@ from ._jax_internals import (
     restore_dim_memo,
     save_dim_memo,
 )
+from ._logical import active_rules, BY_NAME, explain, L, resolve
 from ._spec import format_spec, parse_compact, validate_spec
 
 
@@ -92,11 +94,63 @@ class _MetaShardedArray(ArrayMeta):
         return cls.__name__
 
 
+class _MetaLogicalArray(_MetaShardedArray):
+    """An annotation whose spec names logical axes (`L(...)` or `BY_NAME`): `spec` is
+    resolved under the rules in force each time it is read."""
+
+    logical: tuple  # the logical spec's entries
+    by_name: bool
+
+    @property
+    def spec(cls) -> PartitionSpec:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return _resolved(cls.logical, cls.by_name, active_rules())
+
+    def explain(cls) -> str:
+        """How the rules in force resolve the annotation's logical spec."""
+        rules = active_rules()
+        spec = _resolved(cls.logical, cls.by_name, rules)
+        assert rules is not None
+        return explain(cls.logical, cls.by_name, rules, spec)
+
+
+@ft.lru_cache(maxsize=4096)
+def _resolved(logical: tuple, by_name: bool, rules: Any) -> PartitionSpec:
+    shown = repr(L(*logical)) if not by_name else f"BY_NAME ({L(*logical)!r})"
+    if rules is None:
+        raise AnnotationError(
+            f"The annotation's spec {shown} names logical axes, but no axis rules are "
+            "in force to map them to mesh axes. Set some: `with "
+            "jaxshard.axis_rules([('batch', 'dp'), ...]):` (or flax's "
+            "`nn.logical_axis_rules`)."
+        )
+    spec, unknown = resolve(logical, rules, by_name=by_name)
+    if unknown and not by_name and rules.unknown == "error":
+        known = ", ".join(map(repr, rules.known)) or "none"
+        raise AnnotationError(
+            f"The annotation's spec {shown} names {', '.join(map(repr, unknown))}, "
+            f"which {rules.describe()} do not mention. The logical names they know: "
+            f"{known}. Add a rule (`(name, None)` for unsharded), or pass "
+            "`unknown='replicated'` to jaxshard.axis_rules to treat unknown names as "
+            "unsharded."
+        )
+    try:
+        return validate_spec(spec, len(spec), False)
+    except AnnotationError as e:
+        raise AnnotationError(
+            f"Under {rules.describe()}, the annotation's spec {shown} is "
+            f"{format_spec(spec)}, which is not a valid spec: {e}"
+        ) from None
+
+
 def _pickle_sharded(cls):
-    return with_spec, (cls.dtype[cls.array_type, cls.dim_str], cls.spec)
+    plain = cls.dtype[cls.array_type, cls.dim_str]
+    if isinstance(cls, _MetaLogicalArray):
+        return with_spec, (plain, BY_NAME if cls.by_name else L(*cls.logical))
+    return with_spec, (plain, cls.spec)
 
 
 copyreg.pickle(_MetaShardedArray, _pickle_sharded)  # pyright: ignore[reportArgumentType]
+copyreg.pickle(_MetaLogicalArray, _pickle_sharded)  # pyright: ignore[reportArgumentType]
 
 
 def with_spec(annotation: Any, spec: Any) -> Any:
@@ -108,21 +162,54 @@ def with_spec(annotation: Any, spec: Any) -> Any:
     ):
         return annotation  # e.g. `float` in `Float[Array | float, ""]`: no sharding
     variadic = annotation.index_variadic is not None
-    spec = validate_spec(spec, len(annotation.dims) - variadic, variadic)
+    logical = None
+    if spec is BY_NAME:
+        logical = _by_name(annotation)
+    elif isinstance(spec, L):
+        if not variadic and len(spec) > len(annotation.dims):
+            raise AnnotationError(
+                f"The logical spec {spec!r} has {len(spec)} entries but the shape has "
+                f"only {len(annotation.dims)} dimensions."
+            )
+        logical = spec.entries
+    else:
+        spec = validate_spec(spec, len(annotation.dims) - variadic, variadic)
     array_type = getattr(annotation.array_type, "__name__", repr(annotation.array_type))
     array_type = array_type.rsplit(".", 1)[
         -1
     ]  # jax.Array calls itself jaxlib._jax.Array
     name = (
         f"{annotation.dtype.__name__}[{array_type}, '{annotation.dim_str}', "
-        f"{format_spec(spec)}]"
+        f"{format_spec(spec) if logical is None else repr(spec)}]"
     )
-    out = _MetaShardedArray(name, (annotation,), {"spec": spec})
+    if logical is None:
+        out = _MetaShardedArray(name, (annotation,), {"spec": spec})
+    else:
+        namespace = {"logical": logical, "by_name": spec is BY_NAME}
+        out = _MetaLogicalArray(name, (annotation,), namespace)
     # beartype wants `repr(A | int)` to start with `repr(A)`: only "builtins" gives
     # a class a union repr without a module prefix.
     out.__module__ = "builtins"
     out.__qualname__ = name
     return out
+
+
+def _by_name(annotation: Any) -> tuple:
+    """`BY_NAME`'s logical spec: each named dimension's name, `None` elsewhere."""
+    entries = []
+    for dim in _dims.dimensions(annotation):
+        if dim.kind == "variadic":
+            later = [d.name for d in _dims.dimensions(annotation)[len(entries) + 1 :]]
+            if any(d.isidentifier() for d in later):
+                raise AnnotationError(
+                    f"BY_NAME cannot place the dimensions after the variadic "
+                    f"{dim.token!r} in {annotation.dim_str!r}: their positions in the "
+                    "array are not fixed. Use jaxshard.L(...) for the dimensions "
+                    "before it, or move the variadic dimension last."
+                )
+            break
+        entries.append(dim.name if dim.kind == "named" else None)
+    return tuple(entries)
 
 
 class _MetaShardedDtype(_MetaAbstractDtype):

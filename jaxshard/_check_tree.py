@@ -7,10 +7,13 @@ from typing import Any, get_args, get_origin
 
 import jax
 import jaxtyping
+from jax import Array
+from jax.sharding import PartitionSpec
 
-from ._array_types import _MetaShardedArray
+from ._array_types import _MetaShardedArray, Shaped
 from ._errors import ShardingError, TypeCheckError
 from ._jax_internals import ArrayMeta
+from ._logical import flax_rules, L, using
 from ._sharding import naming
 
 
@@ -182,3 +185,174 @@ def _is_variable(value: Any) -> bool:
 def _fits(value: Any, option: Any) -> bool:
     cls = get_origin(option) or option
     return isinstance(cls, type) and isinstance(value, cls)
+
+
+# --- parameter trees that carry their own partitioning ------------------------------
+
+
+def check_partitioning(
+    tree: Any, specs: Any = None, *, name: str = "params", rules: Any = None
+) -> None:
+    """Checks every array of a parameter tree against the partitioning its leaves
+    carry, or against `specs`.
+
+    Weights that a library layer creates (flax linen's `Dense`, `Embed`,
+    `LayerNorm`, ...) are not function parameters, so no annotation reaches them; their
+    partitioning is in the tree itself:
+
+    - flax linen's boxed leaves, `nn.LogicallyPartitioned` (logical names, resolved by
+        the box's own rules, else those in force) and `nn.Partitioned` (mesh axes), as
+        `model.init` makes them with `nn.with_logical_partitioning`;
+    - flax nnx `Variable`s (`nnx.Param`, ...) with sharding metadata
+        (`nnx.with_partitioning`, `nnx.Param(..., sharding=...)`), read with
+        `nnx.get_partition_spec`;
+    - or `specs`: a tree of the same structure whose leaves are `PartitionSpec`s,
+        logical `jaxshard.L(...)` specs or annotations (`None` leaves a leaf
+        unchecked), e.g. `nn.get_partition_spec(abstract_variables)` for a tree that
+        was unboxed.
+
+    Leaves with no partitioning are not checked. Eagerly it raises at once; inside
+    `jax.jit` it checks as annotations do there. `jaxshard.Partitioned` as a
+    parameter's annotation does the same for a `jaxtyped` function's argument.
+
+    **Arguments:**
+
+    - `tree`: the parameters (boxed flax linen variables, an nnx Module or State, or
+        any pytree with `specs`).
+    - `specs`: the partitioning of each leaf, if the tree does not carry it.
+    - `name`: what to call the tree in messages (default `"params"`).
+    - `rules`: the axis rules for logical names, as `jaxshard.axis_rules` takes them;
+        by default those in force (a flax box's own rules come first).
+
+    **Raises:**
+
+    `jaxshard.ShardingError` naming the path of every mis-sharded leaf
+    (`params['Dense_0']['kernel']`), with what it is and what its metadata says.
+    """
+    found = partitioned_leaves(tree, specs, name)
+    failures = []
+    with using(rules), jaxtyping.jaxtyped("context"):
+        for where, expected, value, own in found:
+            with naming("check_partitioning", where), using(own):
+                reason, sharding = _reason(expected, value)
+            if reason:
+                failures.append((where, reason, sharding))
+    if failures:
+        error = ShardingError if any(s for *_, s in failures) else TypeCheckError
+        head = (
+            "1 array is not partitioned as its metadata says"
+            if len(failures) == 1
+            else f"{len(failures)} arrays are not partitioned as their metadata says"
+        )
+        raise error(
+            f"check_partitioning({name}): {head}:\n"
+            + "\n".join(f"- {w}: {r}" for w, r, _ in failures)
+        )
+
+
+def partitioned_leaves(tree: Any, specs: Any, name: str) -> list:
+    """`(path, annotation, array, rules)` for each leaf with a partitioning."""
+    out = []
+    if specs is not None:
+        pairs = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
+        values = jax.tree_util.tree_leaves(tree, is_leaf=_is_box)
+        if len(pairs) != len(values):
+            raise ValueError(
+                f"check_partitioning({name}): `specs` has {len(pairs)} leaves and the "
+                f"tree {len(values)}; give one spec (or None) per array, in the "
+                "tree's structure."
+            )
+        for (path, spec), value in zip(pairs, values):
+            if spec is not None:
+                value = _unboxed(value)
+                out.append(
+                    (name + jax.tree_util.keystr(path), _annotation(spec), value, None)
+                )
+        return out
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]:
+        spec, own = _metadata(leaf)
+        if spec is not None:
+            where = name + jax.tree_util.keystr(path)
+            out.append((where, _annotation(spec), _unboxed(leaf), own))
+    return out
+
+
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, (PartitionSpec, L)) or _is_array(x)
+
+
+def _is_box(x: Any) -> bool:
+    """A flax linen partitioning box, or an nnx Variable."""
+    return _is_variable(x) or type(x).__name__ in _BOXES and hasattr(x, "names")
+
+
+_BOXES = ("Partitioned", "LogicallyPartitioned")
+# Where nnx Variables keep their partitioning: `out_sharding` in flax 0.12, earlier
+# `sharding_names` and `sharding`.
+_NNX_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def _metadata(leaf: Any) -> tuple[Any, Any]:
+    """The partitioning a leaf carries (`PartitionSpec` or `L`), and its own rules."""
+    if _is_variable(leaf):
+        metadata = leaf.get_metadata()
+        names = next((metadata[k] for k in _NNX_KEYS if metadata.get(k)), None)
+        if names is None:
+            return None, None
+        if flax_rules() is None and not metadata.get("sharding_rules"):
+            return L(*names), None  # jaxshard's rules, if any, map the names
+        # As nnx placed it: its own renaming by flax's rules (a name without a rule
+        # stays as it is, a mesh axis).
+        from flax import nnx
+
+        spec = nnx.get_partition_spec(leaf)
+        return PartitionSpec(*(spec.get_value() if _is_variable(spec) else spec)), None
+    if _is_box(leaf):
+        names = tuple(leaf.names)
+        if type(leaf).__name__ == "LogicallyPartitioned":
+            return L(*names), getattr(leaf, "rules", None) or None
+        return PartitionSpec(*names), None
+    return None, None
+
+
+def _unboxed(leaf: Any) -> Any:
+    if _is_variable(leaf):
+        return leaf.get_value()
+    if _is_box(leaf):
+        return leaf.value
+    return leaf
+
+
+def _annotation(spec: Any) -> Any:
+    if _is_array(spec):
+        return spec
+    return Shaped[Array, "...", spec]
+
+
+class _PartitionedMeta(type):
+    def __instancecheck__(cls, value: Any) -> bool:
+        from ._decorator import note_failure
+        from ._sharding import where
+
+        _, parameter = where(value)
+        try:
+            check_partitioning(value, name=parameter or "")
+        except (ShardingError, TypeCheckError) as e:
+            note_failure(value, str(e).split(":\n", 1)[-1])
+            return False
+        return True
+
+
+class Partitioned(metaclass=_PartitionedMeta):
+    """An annotation for a parameter tree: each leaf must be partitioned as its own
+    metadata says (flax linen's boxes, nnx Variables; see
+    `jaxshard.check_partitioning`).
+
+    !!! Example
+
+        ```python
+        @jaxshard.jaxtyped(typechecker=beartype)
+        def train_step(params: jaxshard.Partitioned, batch: Batch) -> ...:
+            ...
+        ```
+    """

@@ -106,6 +106,13 @@ def _parser() -> argparse.ArgumentParser:
         "PARAM=, OBJECT is a dict of parameter values. Repeatable",
     )
     verify.add_argument(
+        "--rules",
+        metavar="MODULE:OBJECT",
+        help="the axis rules for logical annotations (jaxshard.L, BY_NAME): a rule "
+        "table as flax and MaxText write them, e.g. model:FSDP_RULES (a list of "
+        "(logical, mesh axes) pairs or a dict), or a function that returns one",
+    )
+    verify.add_argument(
         "--max-collectives",
         action="append",
         default=[],
@@ -378,7 +385,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if stray := stray_dims(fn, dims):
             raise ValueError(stray)
-        jaxshard.abstract_args(fn, mesh, dims, dtypes, values=values)
+        rules = None
+        if args.rules is not None:
+            rules = _load_object(args.rules, "--rules")
+            if inspect.isfunction(rules):
+                rules = rules()
+            from jaxshard._logical import normalise
+
+            try:
+                rules = normalise(rules)
+            except TypeError as e:
+                raise ValueError(f"--rules {args.rules}: {e}") from None
+        jaxshard.abstract_args(fn, mesh, dims, dtypes, values=values, rules=rules)
     except (ValueError, ImportError) as e:
         parser.error(_for_the_command_line(str(e).splitlines()[0]))
     import jaxshard
@@ -398,6 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_replicated_bytes=args.max_replicated_bytes,
             against=args.against,
             tolerance=args.tolerance,
+            rules=rules,
         )
     except jaxshard.TypeCheckError as e:  # a contract that is not a sharding's
         print(f"{type(e).__name__}: {e}", file=sys.stderr)

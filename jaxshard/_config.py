@@ -24,6 +24,8 @@ class Settings(NamedTuple):
     recorder: object = None
     # Set by `jaxshard.checked` while its function runs: the owner of the checks.
     check_scope: object = None
+    # `jaxshard.axis_rules`: the logical axis rules (an `_logical.AxisRules`).
+    rules: object = None
 
 
 # name -> (environment variable, valid values; the first is the default)
@@ -141,10 +143,17 @@ class Config:
         return _Scope(_with(current(), settings, "jaxshard.config({name}=...)"))
 
     def update(self, name: str, value: Any) -> None:
-        """Sets the default of setting `name` for every thread (`"sharding"` or
-        `"checks"`, or one of jaxtyping's, which goes to `jaxtyping.config`)."""
+        """Sets the default of setting `name` for every thread (`"sharding"`,
+        `"checks"`, `"axis_rules"` (a rule table, as `jaxshard.axis_rules` takes, or
+        `None`), or one of jaxtyping's, which goes to `jaxtyping.config`)."""
         if isinstance(name, str) and name.lower().startswith("jaxtyping_"):
             jaxtyping.config.update(name, value)
+            return
+        if name == "axis_rules":
+            from ._logical import normalise
+
+            rules = None if value is None else normalise(value)
+            _context.set_global(_context.get_global()._replace(rules=rules))
             return
         source = "jaxshard.config.update({name!r}, ...)"
         _context.set_global(_with(_context.get_global(), {name: value}, source))
@@ -175,6 +184,11 @@ def _with(base: Settings, settings: dict, source: str) -> Settings:
 
 
 config = Config()
+
+
+def scope(**settings: object) -> _Scope:
+    """A `_Scope` of hidden settings (`rules`), for jaxshard's own entry points."""
+    return _Scope(current()._replace(**settings))
 
 
 @contextlib.contextmanager

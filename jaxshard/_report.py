@@ -214,6 +214,8 @@ class Report:
                 }
                 for r in self.rows
             ],
+            "inputs": {k: _snapshot.layout(v) for k, v in self.inputs.items()},
+            "outputs": {k: _snapshot.layout(v) for k, v in self.outputs.items()},
             "memory": None if self.memory is None else dict(self.memory),
             "flops": self.flops,
             "collectives": [

@@ -21,7 +21,7 @@ import jax.monitoring
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from . import _config
-from ._errors import ShardingError
+from ._errors import AnnotationError, ShardingError
 from ._jax_internals import (
     bind_probe,
     checked_call,
@@ -196,7 +196,10 @@ def check(annotation, obj: Any) -> str:
     """Why `obj`'s sharding does not satisfy `annotation.spec`; "" if it does."""
     if _config.current().sharding == "off":
         return ""
-    spec = annotation.spec
+    try:
+        spec = annotation.spec
+    except AnnotationError as e:  # logical names the rules cannot resolve
+        return str(e)
     if isinstance(obj, jax.core.Tracer):
         return _check_traced(annotation, obj)
     if not isinstance(obj, jax.Array):
@@ -220,7 +223,18 @@ def check(annotation, obj: Any) -> str:
                 "inside `with jax.set_mesh(mesh):`."
             )
     reason = compare(spec, sharding, obj.shape, obj.dtype, mesh)
-    return _phrase(describe_array(obj.dtype, obj.shape), reason) if reason else ""
+    if not reason:
+        return ""
+    return _with_rules(
+        _phrase(describe_array(obj.dtype, obj.shape), reason), annotation
+    )
+
+
+def _with_rules(reason: str, annotation: Any) -> str:
+    """`reason`, and for a logical annotation how the rules resolved it."""
+    if not reason or not hasattr(annotation, "explain"):
+        return reason
+    return f"{reason.rstrip('.')}; {annotation.explain()}."
 
 
 def _check_traced(annotation, x) -> str:
@@ -230,12 +244,12 @@ def _check_traced(annotation, x) -> str:
         types = set(mesh.axis_types)
         if AxisType.Manual in types:
             reason = _check_manual(annotation.spec, aval, mesh, is_batched(x))
-            return _verdict(annotation, x, aval, reason)
+            return _verdict(annotation, x, aval, _with_rules(reason, annotation))
         if types == {AxisType.Explicit}:
             reason = compare(annotation.spec, aval.sharding, aval.shape, aval.dtype)
             if reason:
                 reason = _phrase(describe_array(aval.dtype, aval.shape), reason)
-            return _verdict(annotation, x, aval, reason)
+            return _verdict(annotation, x, aval, _with_rules(reason, annotation))
     _add_probe(annotation, x, aval)
     return ""
 
@@ -321,6 +335,7 @@ class Site:
     order: int = 0  # the order in which the checks were traced
     calls: tuple = ()  # the jaxtyped calls around the check, outermost first
     value: int = 0  # which traced value was checked (its id, while traced)
+    rules: str = ""  # how the axis rules resolved a logical spec, at trace time
 
 
 _orders = itertools.count(1)
@@ -419,6 +434,7 @@ def _site(annotation, x, aval, recorder=None) -> Site:
         order=next(_orders),
         calls=calls,
         value=id(x),
+        rules=annotation.explain() if hasattr(annotation, "explain") else "",
     )
 
 
@@ -459,6 +475,8 @@ def _on_sharding(
         )
     if reason.startswith("is "):
         reason = "after XLA's sharding propagation it " + reason
+    if reason and site.rules:
+        reason = f"{reason}; {site.rules}"
     if site.recorder is not None:
         site.recorder.add(site, sharding, reason + "." if reason else "")
         return

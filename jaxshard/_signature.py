@@ -24,6 +24,7 @@ from ._array_types import partition_spec
 from ._decorator import checked_by_jaxshard
 from ._errors import AnnotationError, expect, expect_callable
 from ._jax_internals import context_mesh, in_trace
+from ._logical import active_rules, normalise, using
 
 
 _union_types = (typing.Union, type(int | str))
@@ -249,7 +250,9 @@ def _resolve_mesh(mesh: Any, what: str) -> Any:
     return mesh
 
 
-def shardings(fn: Callable, mesh: Any = None) -> tuple[tuple, Any]:
+def shardings(
+    fn: Callable, mesh: Any = None, *, rules: Any = None
+) -> tuple[tuple, Any]:
     """The shardings `fn`'s annotations ask for, ready for `jax.jit`.
 
     **Arguments:**
@@ -257,6 +260,8 @@ def shardings(fn: Callable, mesh: Any = None) -> tuple[tuple, Any]:
     - `fn`: a function with jaxshard annotations (jitted or not).
     - `mesh`: the mesh to place the specs on; by default the one in context
         (`jax.set_mesh`).
+    - `rules`: the axis rules for logical annotations (`L(...)`, `BY_NAME`), as
+        `jaxshard.axis_rules` takes them; by default those in force.
 
     **Returns:**
 
@@ -278,7 +283,8 @@ def shardings(fn: Callable, mesh: Any = None) -> tuple[tuple, Any]:
     """
     expect_callable("shardings", fn)
     mesh = _resolve_mesh(mesh, "jaxshard.shardings")
-    return _shardings(fn, lambda spec: NamedSharding(mesh, _input_spec(spec)))
+    with using(rules):
+        return _shardings(fn, lambda spec: NamedSharding(mesh, _input_spec(spec)))
 
 
 def _shardings(fn: Callable, make: Callable[[PartitionSpec], Any]) -> tuple[tuple, Any]:
@@ -299,7 +305,9 @@ def _shardings(fn: Callable, make: Callable[[PartitionSpec], Any]) -> tuple[tupl
     return ins, out
 
 
-def shard_map(fn: Callable | None = None, mesh: Any = None, **kwargs) -> Callable:
+def shard_map(
+    fn: Callable | None = None, mesh: Any = None, *, rules: Any = None, **kwargs
+) -> Callable:
     """`jax.shard_map`, with `in_specs` and `out_specs` read from `fn`'s annotations.
 
     The function is wrapped in `jaxshard.jaxtyped` (with beartype), so inside it each
@@ -312,6 +320,9 @@ def shard_map(fn: Callable | None = None, mesh: Any = None, **kwargs) -> Callabl
         carry partition specs. Leave it out to use `jaxshard.shard_map(mesh=...)` as a
         decorator.
     - `mesh`: as for `jax.shard_map`; by default the mesh in context.
+    - `rules`: the axis rules for logical annotations, as `jaxshard.axis_rules`
+        takes them; by default those in force at each call (the specs are read again
+        when they change).
     - `**kwargs`: passed on to `jax.shard_map` (`axis_names`, `check_vma`, and
         `in_specs`/`out_specs` to override the annotations).
 
@@ -329,8 +340,33 @@ def shard_map(fn: Callable | None = None, mesh: Any = None, **kwargs) -> Callabl
     """
     expect(fn is None or callable(fn), "shard_map", "fn", "a function", fn)
     if fn is None:
-        return ft.partial(shard_map, mesh=mesh, **kwargs)
+        return ft.partial(shard_map, mesh=mesh, rules=rules, **kwargs)
     what = f"jaxshard.shard_map({_name(fn)})"
+    if rules is not None or _is_logical(fn):
+        # Logical specs are read at each call, under the rules then in force.
+        made: dict = {}
+        table = None if rules is None else normalise(rules)
+
+        @ft.wraps(fn)
+        def logical(*args):
+            with using(table):
+                key = active_rules()
+                if key not in made:
+                    made[key] = _shard_map(fn, mesh, what, dict(kwargs))
+                return made[key](*args)
+
+        return logical
+    return _shard_map(fn, mesh, what, kwargs)
+
+
+def _is_logical(fn: Callable) -> bool:
+    _, hints = signature(fn)
+    return any(
+        hasattr(a, "explain") for h in hints.values() for a in _array_annotations(h)
+    )
+
+
+def _shard_map(fn: Callable, mesh: Any, what: str, kwargs: dict) -> Callable:
     sig, _ = signature(fn)
     for p in sig.parameters.values():
         if p.kind is p.KEYWORD_ONLY and p.default is p.empty:

@@ -57,8 +57,8 @@ def snapshot(report: Any) -> dict:
         "mesh": ",".join(f"{k}={v}" for k, v in report.mesh.shape.items()),
         "axis_types": [t.name for t in report.mesh.axis_types],
         "devices": describe_devices(report.mesh),
-        "inputs": {k: _type(v) for k, v in report.inputs.items()},
-        "outputs": {k: _type(v) for k, v in report.outputs.items()},
+        "inputs": {k: layout(v) for k, v in report.inputs.items()},
+        "outputs": {k: layout(v) for k, v in report.outputs.items()},
         "contracts": sorted(contracts, key=lambda c: [str(c[k]) for k in order]),
         "collectives": collectives,
         "memory": None if memory is None else {k: memory[k] for k in MEMORY},
@@ -272,7 +272,8 @@ def _function(c: Any) -> str:
     return c.function or "(unknown)"
 
 
-def _type(value: Any) -> str:
+def layout(value: Any) -> str:
+    """A `jax.ShapeDtypeStruct`'s layout in JAX's notation, `float32[8@dp,4]`."""
     sharding = value.sharding
     if isinstance(sharding, NamedSharding):
         return sharded_type(value.dtype, value.shape, sharding.spec)

@@ -27,6 +27,7 @@ from ._errors import (
     TypeCheckError,
 )
 from ._jax_internals import function_name, is_sharding_type_error
+from ._logical import using
 from ._report import (
     _budget_rows,
     _check_budget,
@@ -142,6 +143,7 @@ def verify(
     max_replicated_bytes: int | None = None,
     against: str | os.PathLike | None = None,
     tolerance: float = 0.05,
+    rules: Any = None,
 ) -> Report:
     """Compiles `fn` for `mesh` from its annotations and checks every sharding
     contract on the way.
@@ -161,6 +163,8 @@ def verify(
         TPU pod, or a mesh of simulated CPU devices.
     - `dims`, `dtypes`, `values`: as for `jaxshard.abstract_args`. Values that hold
         no arrays are passed to `fn` as Python values (static).
+    - `rules`: the axis rules for logical annotations (`L(...)`, `BY_NAME`), as
+        `jaxshard.axis_rules` takes them; by default those in force.
     - `max_collectives`: a budget of collectives per kind, e.g. `{"all-gather": 0}`
         (kinds: all-gather, all-reduce, reduce-scatter, all-to-all,
         collective-permute). More is a violation, naming the lines they came from.
@@ -195,6 +199,11 @@ def verify(
         print(report)
         ```
     """
+    if rules is not None:
+        arguments = dict(locals())  # every argument, as given
+        del arguments["fn"], arguments["rules"]
+        with using(rules):
+            return verify(fn, **arguments)
     expect_callable("verify", fn)
     expect(
         isinstance(mesh, Mesh),

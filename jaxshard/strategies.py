@@ -18,6 +18,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._array_types import partition_spec
 from ._dims import Dim, dimensions, shape
+from ._errors import AnnotationError
+from ._logical import using
 from ._spec import axes_of
 
 
@@ -40,6 +42,7 @@ def arrays(
     elements: st.SearchStrategy | None = None,
     min_size: int = 1,
     max_size: int = 8,
+    rules: Any = None,
 ) -> st.SearchStrategy[jax.Array]:
     """Draws `jax.Array`s whose dtype, shape and sharding satisfy `annotation`.
 
@@ -65,6 +68,9 @@ def arrays(
     - `elements`: a strategy for the values, for every dtype drawn. By default floats
         are finite and at most 100 in magnitude; integers and bools are unrestricted.
     - `min_size`, `max_size`: keyword-only, bounds on each size drawn.
+    - `rules`: keyword-only, the axis rules for a logical annotation (`L(...)`,
+        `BY_NAME`), as `jaxshard.axis_rules` takes them; by default those in force
+        when the strategy is made.
 
     **Returns:**
 
@@ -95,7 +101,11 @@ def arrays(
         raise InvalidArgument(
             f"arrays() needs 0 <= min_size <= max_size; got {min_size}, {max_size}."
         )
-    spec = partition_spec(annotation) or PartitionSpec()
+    try:
+        with using(rules):
+            spec = partition_spec(annotation) or PartitionSpec()
+    except AnnotationError as e:
+        raise InvalidArgument(str(e)) from None
     # Unconstrained dimensions are drawn replicated.
     placed = PartitionSpec(
         *[None if e is PartitionSpec.UNCONSTRAINED else e for e in spec]

@@ -68,6 +68,8 @@ def test_the_snapshot_is_stable_sorted_and_complete(auto_mesh, golden):
     assert data["mesh"] == "dp=4,tp=2" and data["axis_types"] == ["Auto", "Auto"]
     assert data["inputs"] == {"ids": "int32[8@dp]", "table": "float32[64@dp,16]"}
     assert data["outputs"] == {"return": "float32[8@dp,16]"}
+    assert again.to_dict()["inputs"] == data["inputs"]
+    assert again.inputs["table"].sharding.spec == P("dp", None)
     assert {(c["value"], c["expected"], c["ok"]) for c in data["contracts"]} == {
         ("table", "P('dp', None)", True),
         ("ids", "P('dp')", True),

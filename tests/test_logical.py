@@ -1,0 +1,221 @@
+"""Logical axis names: `L(...)` and `BY_NAME` in annotations, resolved by
+`jaxshard.axis_rules` (or flax's rules) exactly as flax linen resolves them."""
+
+import pickle
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax import Array
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxshard
+from jaxshard import BY_NAME, Float, L
+from jaxshard._logical import normalise, resolve
+
+
+LOGICAL = ["batch", "seq", "embed", "mlp", "heads", "kv", "vocab", "exp"]
+MESH = ["dp", "fsdp", "tp", "sp", "ep"]
+
+mesh_axes = st.one_of(
+    st.none(),
+    st.sampled_from(MESH),
+    st.lists(st.sampled_from(MESH), min_size=1, max_size=3, unique=True).map(tuple),
+)
+rule_tables = st.lists(st.tuples(st.sampled_from(LOGICAL), mesh_axes), max_size=10)
+logical_specs = st.lists(
+    st.one_of(st.none(), st.sampled_from(LOGICAL), st.just(P.UNCONSTRAINED)),
+    max_size=5,
+).filter(lambda s: len({n for n in s if isinstance(n, str)}) == sum(
+    isinstance(n, str) for n in s
+))  # fmt: skip
+
+
+@settings(max_examples=2000, deadline=None)
+@given(rules=rule_tables, spec=logical_specs)
+def test_resolution_is_flax_linens(rules, spec):
+    ours, _ = resolve(tuple(spec), normalise(rules, unknown="replicated"))
+    assert ours == nn.logical_to_mesh_axes(spec, rules)
+
+
+def test_flax_semantics_written_out():
+    rules = [("batch", "X"), ("features", "X"), ("heads", "Y"), ("batch", "Z")]
+    table = normalise(rules, unknown="replicated")
+    # flax's docstring example: "features" finds X taken, "batch" keeps its first.
+    spec, _ = resolve(("batch", "length", "heads", "features"), table)
+    assert spec == P("X", None, "Y", None)
+    # A rule to None assigns "unsharded", and later rules for that name are skipped.
+    spec, _ = resolve(("batch",), normalise([("batch", None), ("batch", "X")]))
+    assert spec == P(None)
+    # Several mesh axes for one name, and a tuple of logical names on one dimension
+    # (jaxshard's extension): the slots are resolved as flax would, then joined.
+    table = normalise([("batch", ("dp", "fsdp")), ("seq", "sp"), ("embed", "fsdp")])
+    assert resolve((("batch", "seq"), "embed"), table)[0] == P(
+        ("dp", "fsdp", "sp"), None
+    )
+    with pytest.raises(jaxshard.AnnotationError, match="more than once"):
+        resolve(("batch", "batch"), table)
+
+
+# --- annotations --------------------------------------------------------------------
+
+
+X = Float[Array, "batch seq embed", L("batch", None, "embed")]
+Y = Float[Array, "batch seq embed", BY_NAME]
+FSDP = [("batch", "fsdp"), ("embed", "fsdp"), ("mlp", "tp"), ("seq", None)]
+FSDP_TP = [("batch", "fsdp"), ("embed", "tp"), ("mlp", "tp"), ("seq", None)]
+
+
+def test_resolved_when_checked_not_when_written():
+    assert repr(X) == "Float[Array, 'batch seq embed', L('batch', None, 'embed')]"
+    with jaxshard.axis_rules(FSDP):
+        assert jaxshard.partition_spec(X) == P("fsdp", None, None)  # fsdp taken
+        assert jaxshard.partition_spec(Y) == P("fsdp", None, None)
+        with jaxshard.axis_rules(FSDP_TP):  # the innermost wins
+            assert jaxshard.partition_spec(X) == P("fsdp", None, "tp")
+        assert jaxshard.partition_spec(X) == P("fsdp", None, None)
+    with pytest.raises(jaxshard.AnnotationError, match="no axis rules are in force"):
+        jaxshard.partition_spec(X)
+
+
+def test_as_a_decorator():
+    @jaxshard.axis_rules(FSDP_TP, name="fsdp_tp")
+    def spec():
+        return jaxshard.partition_spec(X)
+
+    assert spec() == P("fsdp", None, "tp")
+    with pytest.raises(jaxshard.AnnotationError):
+        jaxshard.partition_spec(X)  # not in force outside the function
+
+
+def test_by_name_leaves_unknown_and_literal_dimensions_unsharded():
+    Z = Float[Array, "batch 3 other embed", BY_NAME]
+    with jaxshard.axis_rules(FSDP_TP):
+        assert jaxshard.partition_spec(Z) == P("fsdp", None, None, "tp")
+        # Dimensions before a variadic one are named; none may come after it.
+        assert jaxshard.partition_spec(Float[Array, "batch *rest", BY_NAME]) == P(
+            "fsdp"
+        )
+    with pytest.raises(jaxshard.AnnotationError, match="after the variadic"):
+        Float[Array, "*rest embed", BY_NAME]
+
+
+def test_unknown_names():
+    Z = Float[Array, "batch hidden", L("batch", "hidden")]
+    with jaxshard.axis_rules(FSDP_TP, name="fsdp_tp"):
+        with pytest.raises(jaxshard.AnnotationError) as caught:
+            jaxshard.partition_spec(Z)
+    message = str(caught.value)
+    assert "'hidden'" in message and "'fsdp_tp'" in message
+    assert "'batch', 'embed', 'mlp', 'seq'" in message  # the known names
+    with jaxshard.axis_rules(FSDP_TP, unknown="replicated"):
+        assert jaxshard.partition_spec(Z) == P("fsdp", None)
+
+
+def test_bad_rules_and_specs():
+    with pytest.raises(TypeError, match="takes a rule table"):
+        jaxshard.axis_rules([("batch",)])
+    with pytest.raises(TypeError, match="takes a rule table"):
+        jaxshard.axis_rules([("batch", 3)])
+    with pytest.raises(ValueError, match="`unknown` is"):
+        jaxshard.axis_rules(FSDP, unknown="ignore")
+    with pytest.raises(jaxshard.AnnotationError, match="logical axis names"):
+        L("batch", 3)
+    with pytest.raises(jaxshard.AnnotationError, match="has 3 entries"):
+        Float[Array, "a b", L("a", "b", "c")]
+    # No state left behind by the refusals.
+    with pytest.raises(jaxshard.AnnotationError, match="no axis rules"):
+        jaxshard.partition_spec(X)
+
+
+def test_mappings_lists_and_maxtext_tables():
+    maxtext = [["activation_batch", ["data", "fsdp"]], ["embed", "fsdp"], ["mlp", []]]
+    table = normalise(maxtext)
+    assert table.rules == (
+        ("activation_batch", ("data", "fsdp")),
+        ("embed", "fsdp"),
+        ("mlp", ()),
+    )
+    assert normalise({"batch": "dp", "embed": None}).rules == (
+        ("batch", "dp"),
+        ("embed", None),
+    )
+
+
+def test_pickles():
+    assert pickle.loads(pickle.dumps(X)) is not None
+    assert repr(pickle.loads(pickle.dumps(X))) == repr(X)
+    assert repr(pickle.loads(pickle.dumps(Y))) == repr(Y)
+
+
+# --- checks ---------------------------------------------------------------------------
+
+
+def layer(x: X) -> X:
+    return x * 2
+
+
+def fsdp_tp(axis_types: str = "explicit") -> jax.sharding.Mesh:
+    kind = AxisType.Explicit if axis_types == "explicit" else AxisType.Auto
+    return jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(kind, kind))
+
+
+@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
+def test_jit_is_traced_again_under_new_rules(axis_types):
+    """The rules are part of jit's cache key: the second call is checked under the
+    second table, not served from the first call's trace."""
+    m = fsdp_tp(axis_types)
+    step = jax.jit(jaxshard.jaxtyped(layer))
+    with jax.set_mesh(m):
+        x = jax.device_put(
+            jnp.ones((8, 4, 16)), NamedSharding(m, P("fsdp", None, "tp"))
+        )
+        with jaxshard.axis_rules(FSDP_TP, name="fsdp_tp"):
+            step(x)
+        with jaxshard.axis_rules(FSDP, name="fsdp"):
+            with pytest.raises(jaxshard.ShardingError) as caught:
+                step(x)
+        with jaxshard.axis_rules(FSDP_TP, name="fsdp_tp"):
+            step(x)
+    message = str(caught.value)
+    # Both forms: the logical spec, the rules that applied, the resolved spec, and
+    # the layout found.
+    assert "L('batch', None, 'embed')" in message
+    assert (
+        "under the axis rules 'fsdp' (batch -> 'fsdp'; embed: 'fsdp' already taken)"
+        in message
+    )
+    assert "expects P('fsdp', None, None) (float32[8@fsdp,4,16])" in message
+    assert "sharded as P('fsdp', None, 'tp') (float32[8@fsdp,4,16@tp])" in message
+
+
+def test_eager_and_flax_rules():
+    m = fsdp_tp()
+    checked = jaxshard.jaxtyped(layer)
+    with jax.set_mesh(m):
+        x = jax.device_put(
+            jnp.ones((8, 4, 16)), NamedSharding(m, P("fsdp", None, "tp"))
+        )
+        with nn.logical_axis_rules(FSDP_TP):  # flax's own rules apply
+            checked(x)
+        with nn.logical_axis_rules(FSDP):
+            with pytest.raises(jaxshard.ShardingError, match="nn.logical_axis_rules"):
+                checked(x)
+            with jaxshard.axis_rules(FSDP_TP):  # jaxshard's win over flax's
+                checked(x)
+
+
+def test_a_wrong_rule_is_named():
+    m = fsdp_tp()
+    checked = jaxshard.jaxtyped(layer)
+    with jax.set_mesh(m):
+        x = jax.device_put(
+            jnp.ones((8, 4, 16)), NamedSharding(m, P("fsdp", None, "tp"))
+        )
+        with jaxshard.axis_rules([("batch", "fsdp"), ("embed", "model")], name="typo"):
+            with pytest.raises(jaxshard.ShardingError) as caught:
+                checked(x)
+    message = str(caught.value)
+    assert "names mesh axis 'model'" in message and "embed -> 'model'" in message
