@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _dims
 from ._array_types import partition_spec
+from ._check_tree import place_partitioned
 from ._errors import expect_callable
 from ._logical import using
 from ._signature import (
@@ -138,6 +139,8 @@ def _bound_inputs(
         if spec is not None:
             spec = _input_spec(spec)
             problems = _uneven(spec, shape, mesh, where)
+            if problems and hasattr(annotation, "explain"):  # say which rule
+                problems[-1] += f" ({annotation.explain()})"
             uneven.extend(problems)
             if not problems:
                 sharding = NamedSharding(mesh, spec)
@@ -148,7 +151,7 @@ def _bound_inputs(
     out = {}
     for p in sig.parameters.values():
         if p.name in values:
-            out[p.name] = values[p.name]
+            out[p.name] = place_partitioned(values[p.name], mesh)
         elif p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         elif p.default is not p.empty:

@@ -8,7 +8,7 @@ from typing import Any, get_args, get_origin
 import jax
 import jaxtyping
 from jax import Array
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ._array_types import _MetaShardedArray, Shaped
 from ._errors import ShardingError, TypeCheckError
@@ -321,6 +321,33 @@ def _unboxed(leaf: Any) -> Any:
     if _is_box(leaf):
         return leaf.value
     return leaf
+
+
+def place_partitioned(tree: Any, mesh: Any) -> Any:
+    """`tree` with each abstract leaf (`jax.ShapeDtypeStruct` without a sharding) in
+    a partitioning box or nnx Variable placed on `mesh` as its metadata says, under
+    the rules in force: what `jax.eval_shape(model.init, ...)` gives, ready to
+    compile."""
+
+    def place(leaf: Any) -> Any:
+        value = _unboxed(leaf)
+        if not (isinstance(value, jax.ShapeDtypeStruct) and value.sharding is None):
+            return leaf
+        spec, own = _metadata(leaf)
+        if spec is None:
+            return leaf
+        with using(own):
+            spec = _annotation(spec).spec
+        placed = jax.ShapeDtypeStruct(
+            value.shape, value.dtype, sharding=NamedSharding(mesh, spec)
+        )
+        if _is_variable(leaf):
+            return leaf.replace(placed)
+        return leaf.replace_boxed(placed)
+
+    if not any(_is_box(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_box)):
+        return tree
+    return jax.tree_util.tree_map(place, tree, is_leaf=_is_box)
 
 
 def _annotation(spec: Any) -> Any:

@@ -347,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # (TPU topologies come from libtpu either way) unless the user says otherwise.
     if "JAX_PLATFORMS" not in os.environ:
         jax.config.update("jax_platforms", "cpu")
+    from jaxtyping import AnnotationError
+
     try:
         axes = _mesh_axes(args.mesh)
         dims = _dims(args.dim)
@@ -388,16 +390,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         rules = None
         if args.rules is not None:
             rules = _load_object(args.rules, "--rules")
-            if inspect.isfunction(rules):
-                rules = rules()
             from jaxshard._logical import normalise
 
             try:
-                rules = normalise(rules)
+                rules = normalise(rules() if inspect.isfunction(rules) else rules)
             except TypeError as e:
                 raise ValueError(f"--rules {args.rules}: {e}") from None
         jaxshard.abstract_args(fn, mesh, dims, dtypes, values=values, rules=rules)
-    except (ValueError, ImportError) as e:
+    except (ValueError, ImportError, AnnotationError) as e:
         parser.error(_for_the_command_line(str(e).splitlines()[0]))
     import jaxshard
 
@@ -459,6 +459,10 @@ _OPTIONS = [
     ),
     (r"Pass it in `values=\{\.\.\.\}`", "Give it with --values PARAM=MODULE:OBJECT"),
     (r"`dtypes` asks for", "--dtype asks for"),
+    (
+        r"Set some: `with jaxshard\.axis_rules\(.*$",
+        "Give them with --rules MODULE:OBJECT.",
+    ),
     (r"`dtypes` names", "--dtype names"),
     (r"`values` names", "--values names"),
     (r"jaxshard.verify: max_collectives names", "--max-collectives names"),

@@ -11,8 +11,9 @@ apply, read through flax's public API.
 import collections
 import contextlib
 import dataclasses
+import functools as ft
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -224,8 +225,43 @@ def axis_rules(rules: Any, *, unknown: str = "error", name: str | None = None) -
             step(params, batch)
         ```
     """
-    table = normalise(rules, unknown=unknown, name=name)
-    return _config.scope(rules=table)
+    return _RulesScope(normalise(rules, unknown=unknown, name=name))
+
+
+class _RulesScope:
+    """What `axis_rules` returns: jaxshard's rules in force from the call on, and,
+    when flax is in use, flax's too (`nn.logical_axis_rules`), so that the model's
+    own `nn.with_logical_constraint`s and nnx's variables follow the same table.
+    flax's rules are not part of jit's cache key, but jaxshard's are: a change
+    re-traces, and flax reads the new table while tracing."""
+
+    def __init__(self, table: AxisRules):
+        self._table = table
+        self._scope = _config.scope(rules=table)
+        linen = sys.modules.get("flax.linen")
+        self._flax = None if linen is None else linen.logical_axis_rules(table.rules)
+        if self._flax is not None:
+            self._flax.__enter__()
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc_info) -> None:
+        if self._flax is not None:
+            self._flax.__exit__(*exc_info)
+        self._scope.__exit__(*exc_info)
+
+    def __call__(self, fn: Callable) -> Callable:
+        # As a decorator: not in force now, only while `fn` runs.
+        self.__exit__(None, None, None)
+        table = self._table
+
+        @ft.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with _RulesScope(table):
+                return fn(*args, **kwargs)
+
+        return wrapper
 
 
 @contextlib.contextmanager
@@ -235,7 +271,7 @@ def using(rules: Any) -> Iterator[None]:
     if rules is None:
         yield
         return
-    with _config.overriding(rules=normalise(rules)):
+    with _RulesScope(normalise(rules)):
         yield
 
 

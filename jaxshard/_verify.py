@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import _config
 from ._abstract import _bound_inputs
 from ._array_types import partition_spec
+from ._check_tree import check_partitioning, Partitioned
 from ._collectives import _is_user_code, collectives
 from ._decorator import checked_by_jaxshard
 from ._errors import (
@@ -360,6 +361,9 @@ def _check_leaves(function: str, name: str, annotation: Any, value: Any) -> None
     tree structure (an equinox Module's fields, say), which typecheckers don't look
     into."""
     if annotation is None:
+        return
+    if annotation is Partitioned:  # each leaf as its own metadata says
+        check_partitioning(value, name=name)
         return
     try:
         tree = _tree(annotation, _leaf, name)

@@ -219,3 +219,143 @@ def test_a_wrong_rule_is_named():
                 checked(x)
     message = str(caught.value)
     assert "names mesh axis 'model'" in message and "embed -> 'model'" in message
+
+
+# --- everywhere specs go ------------------------------------------------------------
+
+
+def test_shardings_abstract_args_and_verify_take_rules():
+    m = fsdp_tp("auto")
+    ins, out = jaxshard.shardings(layer, m, rules=FSDP_TP)
+    assert ins[0].spec == P("fsdp", None, "tp") and out.spec == P("fsdp", None, "tp")
+    (x,) = jaxshard.abstract_args(
+        layer, m, {"batch": 8, "seq": 4, "embed": 16}, rules=FSDP
+    )
+    assert x.sharding.spec == P("fsdp", None, None)
+    report = jaxshard.verify(
+        layer, mesh=m, dims={"batch": 8, "seq": 4, "embed": 16}, rules=FSDP_TP
+    )
+    assert report.ok and report.rows[0].expected == P("fsdp", None, "tp")
+    assert report.rows[0].annotation == repr(X)
+    with pytest.raises(jaxshard.AnnotationError, match="no axis rules"):
+        jaxshard.shardings(layer, m)  # nothing left in force by the calls above
+
+
+def test_shard_map_reads_the_rules_at_each_call():
+    m = fsdp_tp("explicit")
+
+    @jaxshard.shard_map(mesh=m)
+    def local(
+        x: Float[Array, "batch embed", BY_NAME],
+    ) -> Float[Array, "batch embed", BY_NAME]:
+        return x * 2
+
+    with jax.set_mesh(m):
+        with jaxshard.axis_rules(FSDP_TP):
+            x = jax.device_put(jnp.ones((8, 4)), NamedSharding(m, P("fsdp", "tp")))
+            assert local(x).sharding.spec == P("fsdp", "tp")
+        with jaxshard.axis_rules(FSDP):
+            x = jax.device_put(jnp.ones((8, 4)), NamedSharding(m, P("fsdp")))
+            assert local(x).sharding.spec == P("fsdp", None)
+    fixed = jaxshard.shard_map(local.__wrapped__, mesh=m, rules=FSDP)
+    with jax.set_mesh(m):
+        assert fixed(x).sharding.spec == P("fsdp", None)
+
+
+def test_strategies_take_rules():
+    from hypothesis import find
+
+    from jaxshard import strategies as js
+
+    m = fsdp_tp("explicit")
+    drawn = find(js.arrays(X, m, rules=FSDP_TP), lambda a: True)
+    assert drawn.sharding.spec == P("fsdp", None, "tp")
+    from hypothesis.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="no axis rules"):
+        js.arrays(X, m)
+
+
+def test_equinox_module_fields():
+    import equinox as eqx
+
+    class Layer(eqx.Module):
+        w: Float[Array, "embed mlp", BY_NAME]
+
+    m = fsdp_tp("explicit")
+    with jax.set_mesh(m), jaxshard.axis_rules(FSDP_TP):
+        good = Layer(jax.device_put(jnp.ones((8, 4)), NamedSharding(m, P("tp"))))
+        jaxshard.check_tree(good)
+        bad = Layer(jax.device_put(jnp.ones((8, 4)), NamedSharding(m, P())))
+        with pytest.raises(
+            jaxshard.ShardingError,
+            match=r"Layer\.w.*embed -> 'tp'; mlp: 'tp' already taken",
+        ):
+            jaxshard.check_tree(bad)
+
+
+MODEL = """
+from jax import Array
+from jaxshard import BY_NAME, Float
+
+RULES = [("batch", "fsdp"), ("embed", "tp")]
+WRONG = [("batch", "fsdp"), ("embed", "model")]
+
+X = Float[Array, "batch embed", BY_NAME]
+
+def layer(x: X) -> X:
+    return x * 2
+"""
+
+
+def test_cli_rules(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "model.py").write_text(MODEL)
+
+    def run(*args):
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        out = subprocess.run(
+            [sys.executable, "-m", "jaxshard", "verify", "model:layer", "--mesh",
+             "fsdp=4,tp=2", "--dim", "batch=8", "--dim", "embed=4", *args],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        return out.returncode, out.stdout, out.stderr
+
+    code, out, err = run("--rules", "model:RULES")
+    assert code == 0, err
+    assert "P('fsdp', 'tp')" in out
+    code, out, err = run("--rules", "model:WRONG")  # the inputs cannot be placed
+    assert code == 2 and "mesh axis 'model'" in err and "embed -> 'model'" in err
+    code, out, err = run()
+    assert code == 2 and "no axis rules" in err
+    code, out, err = run("--rules", "model:X")
+    assert code == 2 and "--rules model:X" in err and "takes a rule table" in err
+
+
+def test_plugin_default_rules(pytester, monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    pytester.makepyfile(
+        model=MODEL,
+        test_it="""
+import jaxshard
+from jax.sharding import PartitionSpec as P
+from model import layer
+
+def test_rules():
+    ann = layer.__annotations__["x"]
+    assert jaxshard.partition_spec(ann) == P("fsdp", "tp")
+""",
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--jaxshard-rules", "model:RULES"
+    )
+    result.assert_outcomes(passed=1)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--jaxshard-rules", "model:nothing"
+    )
+    assert result.ret != 0
+    result.stderr.fnmatch_lines(["*--jaxshard-rules model:nothing*no attribute*"])

@@ -1,0 +1,152 @@
+"""Parameter trees checked against the partitioning their leaves carry: flax linen's
+boxes, nnx Variables, or a tree of specs (`jaxshard.check_partitioning`,
+`jaxshard.Partitioned`)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax import Array
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxshard
+from jaxshard import BY_NAME, Float, L
+
+
+RULES = [("batch", "fsdp"), ("embed", "fsdp"), ("mlp", "tp"), ("vocab", "tp")]
+
+
+def auto_mesh():
+    return jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
+
+
+class Mlp(nn.Module):
+    """A linen layer whose weights the library makes: no annotation reaches them."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        h = nn.Dense(
+            32, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp"))
+        )(x)
+        h = nn.with_logical_constraint(h, ("batch", "mlp"))
+        y = nn.Dense(
+            16, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed"))
+        )(h)
+        return nn.with_logical_constraint(y, ("batch", "embed"))
+
+
+def initialised(mesh):
+    x = jnp.ones((8, 16))
+    abstract = jax.eval_shape(Mlp().init, jax.random.key(0), x)
+    specs = nn.get_partition_spec(abstract)
+    shardings = nn.logical_to_mesh_sharding(specs, mesh, RULES)
+    return jax.jit(Mlp().init, out_shardings=shardings)(jax.random.key(0), x), abstract
+
+
+def replicate(tree, mesh):
+    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), tree)
+
+
+def test_linen_boxes_eagerly():
+    mesh = auto_mesh()
+    with jax.set_mesh(mesh), jaxshard.axis_rules(RULES):
+        params, _ = initialised(mesh)
+        jaxshard.check_partitioning(params)
+        bad = replicate(params, mesh)
+        with pytest.raises(jaxshard.ShardingError) as caught:
+            jaxshard.check_partitioning(bad)
+    message = str(caught.value)
+    assert "2 arrays are not partitioned as their metadata says" in message
+    assert (
+        "- params['params']['Dense_0']['kernel']: this array (float32[16,32])"
+        in message
+    )
+    assert "L('embed', 'mlp') is P('fsdp', 'tp')" in message
+    assert "bias" not in message  # no metadata: not checked
+
+
+def test_flax_rules_and_the_boxes_own():
+    mesh = auto_mesh()
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        params, _ = initialised(mesh)
+        jaxshard.check_partitioning(params)  # flax's rules in force
+    # Without rules, logical names cannot be resolved: a clear error, per leaf.
+    with pytest.raises(jaxshard.ShardingError, match="no axis rules are in force"):
+        jaxshard.check_partitioning(params)
+    jaxshard.check_partitioning(params, rules=RULES)
+
+
+def test_a_tree_of_specs():
+    mesh = auto_mesh()
+    with jax.set_mesh(mesh), jaxshard.axis_rules(RULES):
+        params, abstract = initialised(mesh)
+        unboxed = nn.unbox(params)
+        specs = nn.get_partition_spec(abstract)
+        jaxshard.check_partitioning(unboxed, jax.tree.map(lambda s: L(*s), specs,
+                                    is_leaf=lambda s: isinstance(s, P)))  # fmt: skip
+        mesh_specs = nn.logical_to_mesh(specs, RULES)
+        jaxshard.check_partitioning(unboxed, mesh_specs)
+        with pytest.raises(jaxshard.ShardingError, match=r"\['Dense_1'\]\['kernel'\]"):
+            jaxshard.check_partitioning(replicate(unboxed, mesh), mesh_specs)
+        with pytest.raises(ValueError, match="one spec"):
+            jaxshard.check_partitioning(unboxed, [P()])
+
+
+@pytest.mark.parametrize("axis_types", ["auto"])
+def test_inside_jit_as_an_annotation(axis_types):
+    del axis_types
+    mesh = auto_mesh()
+
+    @jaxshard.jaxtyped
+    def forward(
+        params: jaxshard.Partitioned, x: Float[Array, "batch embed", BY_NAME]
+    ) -> Float[Array, "batch embed", BY_NAME]:
+        return Mlp().apply(params, x)
+
+    with jax.set_mesh(mesh), jaxshard.axis_rules(RULES):
+        params, _ = initialised(mesh)
+        x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("fsdp")))
+        step = jax.jit(forward)
+        step(params, x)
+        with pytest.raises(jaxshard.ShardingError) as caught:
+            step(replicate(params, mesh), x)
+    assert "['Dense_0']['kernel']" in str(caught.value)
+
+
+def test_verify_places_abstract_boxes_and_checks_them():
+    mesh = auto_mesh()
+
+    def forward(
+        params: jaxshard.Partitioned, x: Float[Array, "batch embed", BY_NAME]
+    ) -> Float[Array, "batch embed", BY_NAME]:
+        return Mlp().apply(params, x)
+
+    _, abstract = initialised(mesh)
+    report = jaxshard.verify(
+        forward, mesh=mesh, dims={"batch": 8, "embed": 16},
+        values={"params": abstract}, rules=RULES,
+    )  # fmt: skip
+    names = {row.name for row in report.rows}
+    assert "params['params']['Dense_1']['kernel']" in names
+    assert report.inputs[
+        "params['params']['Dense_0']['kernel'].value"
+    ].sharding.spec == (P("fsdp", "tp"))
+    wrong = [("batch", "fsdp"), ("embed", "tp"), ("mlp", "fsdp")]
+    report = jaxshard.verify(
+        forward, mesh=mesh, dims={"batch": 8, "embed": 16},
+        values={"params": abstract}, rules=wrong, raise_on_error=False,
+    )  # fmt: skip
+    assert report.ok  # the inputs are placed by the same (wrong) rules: consistent
+
+
+def test_nnx_variables():
+    mesh = auto_mesh()
+    init = nnx.with_partitioning(nnx.initializers.ones, ("embed", "mlp"))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        layer = nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0))
+        state = nnx.state(layer)
+        jaxshard.check_partitioning(state)
+        with pytest.raises(jaxshard.ShardingError, match=r"params\['kernel'\]"):
+            jaxshard.check_partitioning(replicate(state, mesh))
