@@ -83,11 +83,13 @@ def demo(session):
 @nox.session
 def examples(session):
     """A transformer verified for TPU v5e and v5p pods without a TPU, on Auto and
-    on Explicit axes, each against its committed snapshot."""
+    on Explicit axes, each against its committed snapshot; a decoder annotated with
+    logical axis names, verified under several rule tables."""
     session.install("-e", ".[tpu]", "equinox")
     env = {"JAX_PLATFORMS": "cpu"}
     session.run("python", "examples/transformer.py", env=env)
     session.run("python", "examples/transformer.py", "--explicit", env=env)
+    session.run("python", "examples/logical.py", env=env)
 
 
 @nox.session
