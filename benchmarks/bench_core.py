@@ -8,6 +8,10 @@
     with sharded annotations, against `jaxtyping.jaxtyped` with plain ones and against
     no decorator.
 (c) First call: trace + compile time of the step with and without checks.
+(d) Logical axis names: the eager call of (b) with its annotations written in
+    logical names (`L(...)`, resolved under `jaxshard.axis_rules`) against the same
+    annotations written with `P(...)`; and the step of (a) annotated in logical names,
+    whose compiled program must be the unannotated one's.
 
 Rounds of the variants alternate (A B, B A, A B, ...) so that drift on a busy machine
 hits each alike. The table shows the median time of each, and the median over rounds
@@ -53,6 +57,12 @@ X = Float[Array, "batch d", P("dp", None)]
 H = Float[Array, "batch hidden", P("dp", "tp")]
 W1 = Float[Array, "d hidden", P(None, "tp")]
 W2 = Float[Array, "hidden d", P("tp", None)]
+# The same in logical names, and the rules that map them to the mesh's axes.
+LX = Float[Array, "batch d", jaxshard.L("batch", None)]
+LH = Float[Array, "batch hidden", jaxshard.BY_NAME]
+LW1 = Float[Array, "d hidden", jaxshard.L(None, "hidden")]
+LW2 = Float[Array, "hidden d", jaxshard.L("hidden", None)]
+RULES = [("batch", "dp"), ("hidden", "tp"), ("d", None)]
 # jaxtyping's own annotations, the baseline for the eager check.
 PlainX = jaxtyping.Float[Array, "batch d"]
 PlainW1 = jaxtyping.Float[Array, "d hidden"]
@@ -69,10 +79,18 @@ def down(h, w2):
     return jnp.dot(h, w2, out_sharding=P("dp", None) if explicit else None)
 
 
-def make_step(checked: bool):
+def make_step(checked: bool, logical: bool = False):
     """A fresh training step (new function objects, so a fresh jit traces it)."""
     up_, down_ = up, down
-    if checked:
+    if checked and logical:
+
+        def up_(x: LX, w1: LW1) -> LH:
+            return up(x, w1)
+
+        def down_(h: LH, w2: LW2) -> LX:
+            return down(h, w2)
+
+    elif checked:
 
         def up_(x: X, w1: W1) -> H:
             return up(x, w1)
@@ -80,6 +98,7 @@ def make_step(checked: bool):
         def down_(h: H, w2: W2) -> X:
             return down(h, w2)
 
+    if checked:
         up_ = jaxshard.jaxtyped(up_, typechecker=beartype)
         down_ = jaxshard.jaxtyped(down_, typechecker=beartype)
 
@@ -149,10 +168,11 @@ def hlo_ops(compiled_text: str) -> Counter:
 # --- the benchmarks -----------------------------------------------------------------
 
 
-def steady_state(mesh) -> tuple[list[float], list[float], int, int]:
+def steady_state(mesh, logical: bool = False) -> tuple[list, list, int, int]:
     args = inputs(mesh)
-    with jax.set_mesh(mesh):
-        checked, plain = jax.jit(make_step(True)), jax.jit(make_step(False))
+    with jax.set_mesh(mesh), jaxshard.axis_rules(RULES):
+        checked = jax.jit(make_step(True, logical))
+        plain = jax.jit(make_step(False))
         jax.block_until_ready((checked(*args), plain(*args)))  # compile both
         ops = [hlo_ops(f.lower(*args).compile().as_text()) for f in (checked, plain)]
         a, b = side_by_side(
@@ -185,6 +205,9 @@ def first_call(mesh) -> list[list[float]]:
 
 
 def eager(mesh) -> list[list[float]]:
+    """Per-call seconds of: P annotations, jaxtyping's plain ones, no decorator, and
+    logical annotations (under `RULES`)."""
+
     def f(x, y, z):
         return x
 
@@ -194,8 +217,12 @@ def eager(mesh) -> list[list[float]]:
     def plain(x: PlainX, y: PlainW1, z: PlainW2) -> PlainX:
         return x
 
+    def logical(x: LX, y: LW1, z: LW2) -> LX:
+        return x
+
     sharded = jaxshard.jaxtyped(sharded, typechecker=beartype)
     plain = jaxtyping.jaxtyped(plain, typechecker=beartype)
+    logical = jaxshard.jaxtyped(logical, typechecker=beartype)
     shapes_specs = [
         ((8, 4), P("dp", None)),
         ((4, 8), P(None, "tp")),
@@ -208,10 +235,11 @@ def eager(mesh) -> list[list[float]]:
     def timed(fn):
         return lambda: per_call(fn, args, EAGER_CALLS)
 
-    runs = [timed(fn) for fn in (sharded, plain, f)]
-    for run in runs:  # warm up
-        run()
-    return side_by_side(*runs, rounds=ROUNDS["eager"])
+    runs = [timed(fn) for fn in (sharded, plain, f, logical)]
+    with jaxshard.axis_rules(RULES):
+        for run in runs:  # warm up
+            run()
+        return side_by_side(*runs, rounds=ROUNDS["eager"])
 
 
 # --- the table ----------------------------------------------------------------------
@@ -240,10 +268,14 @@ def main() -> int:
         a, b, extra, total = steady_state(mesh)
         note = f"extra HLO ops: {extra} of {total} (target 0)"
         row(f"(a) jit step, {name} mesh", a, b, "ms", "<= 1.02", note)
-    sharded, plain, bare = eager(explicit)
+    sharded, plain, bare, logical = eager(explicit)
     row("(b) eager call vs jaxtyping", sharded, plain, "us", "<= 1.5")
     note = f"+{(median(sharded) - median(bare)) * 1e6:.0f} us per call"
     row("(b) eager call vs undecorated", sharded, bare, "us", note=note)
+    row("(d) eager call, L(...) vs P(...)", logical, sharded, "us", "<= 1.2")
+    a, b, extra, total = steady_state(auto, logical=True)
+    note = f"extra HLO ops: {extra} of {total} (target 0)"
+    row("(d) jit step, logical, Auto", a, b, "ms", "<= 1.02", note)
     for name, mesh in [("Auto", auto), ("Explicit", explicit)]:
         a, b = first_call(mesh)
         row(f"(c) first call, {name} mesh", a, b, "ms", note="trace + compile + run")
