@@ -136,7 +136,7 @@ def lint(session):
     paths.append("noxfile.py")
     session.run("ruff", "check", *paths)
     session.run("ruff", "format", "--check", *paths)
-    session.install("-e", ".", "mypy", "pyright", "equinox")
+    session.install("-e", ".", "mypy", "pyright", "equinox", "flax")
     typed = ["examples", "tests/static_types.py"]
     session.run("mypy", "--ignore-missing-imports", *typed)
     session.run("pyright", *typed)

@@ -19,6 +19,7 @@ without it, 8 simulated CPU devices stand in for the pod).
 import importlib.util
 import os
 import sys
+import typing
 
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu only compiles here
@@ -27,6 +28,7 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from beartype import beartype  # noqa: E402
+from flax.linen.spmd import with_logical_constraint  # noqa: E402
 from jax import Array  # noqa: E402
 
 import jaxshard  # noqa: E402
@@ -148,20 +150,20 @@ class Decoder(nn.Module):
             self.embed,
             embedding_init=nn.with_logical_partitioning(init, ("vocab", "embed")),
         )(tokens)
-        x = nn.with_logical_constraint(
+        x = with_logical_constraint(
             x, ("activation_batch", "activation_length", "activation_embed")
         )
         h = nn.Dense(
             self.mlp, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp"))
         )(nn.LayerNorm(scale_init=nn.with_logical_partitioning(
             nn.initializers.ones, ("embed",)))(x))  # fmt: skip
-        h = nn.with_logical_constraint(
+        h = with_logical_constraint(
             jax.nn.gelu(h), ("activation_batch", "activation_length", "activation_mlp")
         )
         y = nn.Dense(
             self.embed, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed"))
         )(h)
-        return nn.with_logical_constraint(
+        return with_logical_constraint(
             x + y, ("activation_batch", "activation_length", "activation_embed")
         )
 
@@ -170,7 +172,7 @@ def forward(
     params: jaxshard.Partitioned,
     tokens: Int[Array, "b s", L("activation_batch", "activation_length")],
 ) -> X:
-    return Decoder().apply(params, tokens)
+    return typing.cast(Array, Decoder().apply(params, tokens))
 
 
 # --- verifying ----------------------------------------------------------------------

@@ -210,7 +210,7 @@ def main() -> int:
         )
         print(report, end="\n\n")
         if against:
-            print(f"As in the snapshot {golden.name}.\n")
+            print(f"As in the snapshot {against.name}.\n")
         elif mesh is pod and golden:
             report.save(golden)
             print(f"Snapshot written: {golden.name}.\n")

@@ -26,6 +26,8 @@ from ._array_types import (
 
 
 if TYPE_CHECKING:  # `Float[Array, "b d", P("dp")]` reads as `Array`
+    from typing import Any as Partitioned  # a parameter tree of any type
+
     from jax import Array as Array
     from jax.tree_util import PyTreeDef as PyTreeDef
     from jax.typing import ArrayLike as ArrayLike, DTypeLike as DTypeLike
@@ -109,12 +111,12 @@ else:
         UInt32 as UInt32,
         UInt64 as UInt64,
     )
+    from ._check_tree import Partitioned as Partitioned
 from ._abstract import abstract_args as abstract_args
 from ._check_records import CheckError as CheckError, Failure as Failure
 from ._check_tree import (
     check_partitioning as check_partitioning,
     check_tree as check_tree,
-    Partitioned as Partitioned,
 )
 from ._checks import (
     check as check,

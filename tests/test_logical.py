@@ -6,6 +6,7 @@ import pickle
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from jax import Array
@@ -145,9 +146,13 @@ def test_mappings_lists_and_maxtext_tables():
 
 
 def test_pickles():
-    assert pickle.loads(pickle.dumps(X)) is not None
-    assert repr(pickle.loads(pickle.dumps(X))) == repr(X)
-    assert repr(pickle.loads(pickle.dumps(Y))) == repr(Y)
+    # (jax.Array itself does not pickle on every jax, so numpy's array type here.)
+    for spec in (L("batch", None, "embed"), BY_NAME):
+        ann = Float[np.ndarray, "batch seq embed", spec]
+        back = pickle.loads(pickle.dumps(ann))
+        assert repr(back) == repr(ann)
+        with jaxshard.axis_rules(FSDP_TP):
+            assert jaxshard.partition_spec(back) == P("fsdp", None, "tp")
 
 
 # --- checks ---------------------------------------------------------------------------
