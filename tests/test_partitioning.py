@@ -150,3 +150,67 @@ def test_nnx_variables():
         jaxshard.check_partitioning(state)
         with pytest.raises(jaxshard.ShardingError, match=r"params\['kernel'\]"):
             jaxshard.check_partitioning(replicate(state, mesh))
+
+
+def test_nnx_attributes_annotated_logically():
+    mesh = auto_mesh()
+
+    class Layer(nnx.Module):
+        w: nnx.Param[Float[Array, "embed mlp", BY_NAME]]
+
+        def __init__(self, w):
+            self.w = nnx.Param(w)
+
+    with jax.set_mesh(mesh), jaxshard.axis_rules(RULES):
+        good = Layer(
+            jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("fsdp", "tp")))
+        )
+        jaxshard.check_tree(good)
+        bad = Layer(jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P())))
+        with pytest.raises(jaxshard.ShardingError, match=r"Layer\.w.*mlp -> 'tp'"):
+            jaxshard.check_tree(bad)
+
+
+MODEL = """
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+from jax import Array
+import jaxshard
+from jaxshard import BY_NAME, Float
+
+RULES = [("batch", "fsdp"), ("embed", "fsdp"), ("mlp", "tp")]
+
+
+class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_logical_partitioning(nn.initializers.ones, ("embed", "mlp"))
+        return nn.Dense(32, kernel_init=init)(x)
+
+
+def forward(params: jaxshard.Partitioned, x: Float[Array, "batch embed", BY_NAME]):
+    return Mlp().apply(params, x)
+
+
+def abstract_params():
+    return jax.eval_shape(Mlp().init, jax.random.key(0), jnp.ones((8, 16)))
+"""
+
+
+def test_cli_checks_a_boxed_tree(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "model.py").write_text(MODEL)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxshard", "verify", "model:forward", "--mesh",
+         "fsdp=4,tp=2", "--dim", "batch=8", "--dim", "embed=16", "--rules",
+         "model:RULES", "--values", "params=model:abstract_params"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "params['params']['Dense_0']['kernel']" in out.stdout
+    assert "float32[16@fsdp,32@tp]" in out.stdout
