@@ -85,7 +85,7 @@ def examples(session):
     """A transformer verified for TPU v5e and v5p pods without a TPU, on Auto and
     on Explicit axes, each against its committed snapshot; a decoder annotated with
     logical axis names, verified under several rule tables."""
-    session.install("-e", ".[tpu]", "equinox")
+    session.install("-e", ".[tpu]", "equinox", "flax")
     env = {"JAX_PLATFORMS": "cpu"}
     session.run("python", "examples/transformer.py", env=env)
     session.run("python", "examples/transformer.py", "--explicit", env=env)
