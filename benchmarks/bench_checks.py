@@ -312,6 +312,45 @@ def wrapper_runs(mesh) -> dict:
     }
 
 
+DISPATCH_CALLS = 200 if QUICK else 2000
+DISPATCH_TARGETS = {"off": 15, "deferred": 15, "raise": 30}
+
+
+def dispatch_times(mode: str) -> tuple[list[float], list[float]]:
+    """Seconds per call of `checked(jax.jit(f))` in `mode`, f making one check, and of
+    `jax.jit` of the same function without it (no checking machinery at all), on
+    one device. Every 16th result is waited for, so the host cannot run far ahead."""
+    x = jnp.zeros(64)
+
+    def f(x):
+        jaxshard.check(x[0] > -1, "x[0] is {v}", v=x[0])
+        return x + 1
+
+    def unchecked(x):
+        return x + 1
+
+    def per_call(fn) -> float:
+        start = time.perf_counter()
+        for i in range(DISPATCH_CALLS):
+            y = fn(x)
+            if i % 16 == 0:
+                jax.block_until_ready(y)
+        jax.block_until_ready(y)
+        return (time.perf_counter() - start) / DISPATCH_CALLS
+
+    plain = jax.jit(unchecked)
+    with jaxshard.config(checks=mode):
+        checked = jaxshard.checked(jax.jit(f))
+        per_call(checked), per_call(plain)  # compile, warm up
+        times = side_by_side(
+            {"checked": lambda: per_call(checked), "plain": lambda: per_call(plain)},
+            ROUNDS["wrapper"],
+        )
+        if mode == "deferred":
+            jaxshard.flush_checks()
+    return times["checked"], times["plain"]
+
+
 # --- the table ----------------------------------------------------------------------
 
 
@@ -407,6 +446,14 @@ def main() -> int:
         + (f"{median(a) * 1e6:.0f} us", f"{median(b) * 1e6:.0f} us")
         + (f"{paired(times, 'checked', 'plain'):.3f}", f"- (+{extra:.0f} us per call)")
     )
+    for mode, target in DISPATCH_TARGETS.items():
+        a, b = dispatch_times(mode)
+        extra = median([x - y for x, y in zip(a, b)]) * 1e6
+        rows.append(
+            (f"(d) checked(jit(f)) dispatch, one device, {mode}",)
+            + (f"{median(a) * 1e6:.1f} us", f"{median(b) * 1e6:.1f} us")
+            + (f"+{extra:.1f} us", f"<= +{target} us")
+        )
     print_table(rows)
     seconds = time.perf_counter() - started
     print(f"({seconds:.0f} s; medians over rounds; ratios paired within rounds)")

@@ -330,12 +330,17 @@ def _placement(args: tuple, kwargs: dict) -> Any:
     default device."""
     mesh = context_mesh()
     if mesh is not None:
-        return NamedSharding(mesh, PartitionSpec())
+        return _replicated(mesh)
     for leaf in jax.tree.leaves((args, kwargs)):
         sharding = getattr(leaf, "sharding", None)
         if isinstance(sharding, NamedSharding) and len(sharding.device_set) > 1:
             return NamedSharding(sharding.mesh, PartitionSpec())
     return None
+
+
+@ft.lru_cache(maxsize=64)
+def _replicated(mesh: Any) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
 
 
 # --- compiled calls -------------------------------------------------------------------
@@ -347,7 +352,7 @@ def _placement(args: tuple, kwargs: dict) -> Any:
 # "deferred" mode the findings of each call are merged on the device every few calls.
 
 
-_FOLD_EVERY = 16
+_FOLD_EVERY = 64
 
 
 class Findings:

@@ -132,9 +132,10 @@ def checked(fn: Callable) -> Callable:
                 "jit inside: jaxshard.checked(jax.jit(f))."
             )
         if compiled is not None:
-            with _config.overriding(check_scope=scope):
-                out = scope.run_compiled(compiled, settings.checks, args, kwargs)
-            if settings.checks != "raise":
+            # No scope to set: the program sets its own while it is traced, and an
+            # unchanged context keeps the call on jit's fast path.
+            out = scope.run_compiled(compiled, settings.checks, args, kwargs)
+            if settings.checks != "raise" and scope not in _deferred_scopes:
                 _deferred_scopes.add(scope)
             return out
         scope.begin_call(args, kwargs)

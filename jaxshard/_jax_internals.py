@@ -49,6 +49,7 @@ from typing import Any
 
 import jax
 import jaxtyping
+from jax._src import mesh as _mesh_lib  # the legacy `with mesh:`, for context_mesh
 from jax.extend.core import find_top_trace, Primitive, set_current_trace
 from jax.extend.mlir import ir
 from jax.interpreters import ad, batching, mlir, partial_eval as pe
@@ -205,10 +206,8 @@ def context_mesh() -> jax.sharding.Mesh | None:
     mesh = jax.sharding.get_mesh()
     if not mesh.empty:
         return mesh
-    from jax._src import mesh as mesh_lib
-
     # The legacy `with mesh:` is visible only here (jax 0.10.2 to 0.12.0.1).
-    mesh = mesh_lib.thread_resources.env.physical_mesh
+    mesh = _mesh_lib.thread_resources.env.physical_mesh
     return None if mesh.empty else mesh
 
 
