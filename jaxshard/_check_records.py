@@ -389,8 +389,11 @@ def _compiled(fn: Callable) -> Callable | None:
         frame = Frame(call)
         with _config.overriding(check_scope=frame):
             out = fun(*args, **kwargs)
-        findings = Findings(frame, frame.flag[...], frame.packed(), call + 1)
-        return out, findings
+        # Deferred mode reads no flag (the settings are part of jit's cache key:
+        # each mode is its own program), so its program has one output fewer.
+        raising = _config.current().checks == "raise"
+        flag = frame.flag[...] if raising else None
+        return out, Findings(frame, flag, frame.packed(), call + 1)
 
     static = params["static_argnums"]
     jit = ft.partial(
