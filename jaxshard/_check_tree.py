@@ -58,23 +58,34 @@ def check_tree(tree: Any, annotation: Any = None, *, name: str | None = None) ->
     name = getattr(annotation, "__name__", "tree") if name is None else name
     found: list[tuple[str, Any, Any]] = []
     _collect(tree, annotation, name, found)
+    _check_all(
+        f"check_tree({name})",
+        [(where, expected, value, None) for where, expected, value in found],
+        (
+            "1 array does not match its annotation",
+            "{} arrays do not match their annotations",
+        ),
+    )
+
+
+def _check_all(what: str, found: list, heads: tuple[str, str]) -> None:
+    """Checks each `(path, annotation, value, rules)` of `found`, with one set of
+    dimension bindings, and raises listing every failure by path: a
+    `ShardingError` if a sharding is among the reasons, else a `TypeCheckError`.
+    `heads` says how many failed: one, then several (`{}` for the number)."""
+    function = what.split("(", 1)[0]
     failures = []
-    with jaxtyping.jaxtyped("context"):  # one set of dimension bindings
-        for where, expected, value in found:
-            with naming("check_tree", where):
+    with jaxtyping.jaxtyped("context"):
+        for where, expected, value, rules in found:
+            with naming(function, where), using(rules):
                 reason, sharding = _reason(expected, value)
             if reason:
                 failures.append((where, reason, sharding))
     if failures:
         error = ShardingError if any(s for *_, s in failures) else TypeCheckError
-        head = (
-            "1 array does not match its annotation"
-            if len(failures) == 1
-            else f"{len(failures)} arrays do not match their annotations"
-        )
+        head = heads[0] if len(failures) == 1 else heads[1].format(len(failures))
         raise error(
-            f"check_tree({name}): {head}:\n"
-            + "\n".join(f"- {w}: {r}" for w, r, _ in failures)
+            f"{what}: {head}:\n" + "\n".join(f"- {w}: {r}" for w, r, _ in failures)
         )
 
 
@@ -230,23 +241,14 @@ def check_partitioning(
     (`params['Dense_0']['kernel']`), with what it is and what its metadata says.
     """
     found = partitioned_leaves(tree, specs, name)
-    failures = []
-    with using(rules), jaxtyping.jaxtyped("context"):
-        for where, expected, value, own in found:
-            with naming("check_partitioning", where), using(own):
-                reason, sharding = _reason(expected, value)
-            if reason:
-                failures.append((where, reason, sharding))
-    if failures:
-        error = ShardingError if any(s for *_, s in failures) else TypeCheckError
-        head = (
-            "1 array is not partitioned as its metadata says"
-            if len(failures) == 1
-            else f"{len(failures)} arrays are not partitioned as their metadata says"
-        )
-        raise error(
-            f"check_partitioning({name}): {head}:\n"
-            + "\n".join(f"- {w}: {r}" for w, r, _ in failures)
+    with using(rules):
+        _check_all(
+            f"check_partitioning({name})",
+            found,
+            (
+                "1 array is not partitioned as its metadata says",
+                "{} arrays are not partitioned as their metadata says",
+            ),
         )
 
 

@@ -84,14 +84,17 @@ class _Scope:
     def __exit__(self, *exc_info) -> None:
         self._context.__exit__(*exc_info)
 
+    def _again(self) -> "_Scope":
+        """The same scope, in force anew (for each call of a decorated function)."""
+        return _Scope(self._settings)
+
     def __call__(self, fn: Callable) -> Callable:
         # As a decorator: not in force now, only while `fn` runs.
-        self._context.__exit__(None, None, None)
-        settings = self._settings
+        self.__exit__(None, None, None)
 
         @ft.wraps(fn)
         def wrapper(*args, **kwargs):
-            with _context(settings):
+            with self._again():
                 return fn(*args, **kwargs)
 
         return wrapper
@@ -184,11 +187,6 @@ def _with(base: Settings, settings: dict, source: str) -> Settings:
 
 
 config = Config()
-
-
-def scope(**settings: object) -> _Scope:
-    """A `_Scope` of hidden settings (`rules`), for jaxshard's own entry points."""
-    return _Scope(current()._replace(**settings))
 
 
 @contextlib.contextmanager

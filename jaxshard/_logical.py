@@ -11,9 +11,8 @@ apply, read through flax's public API.
 import collections
 import contextlib
 import dataclasses
-import functools as ft
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -228,7 +227,7 @@ def axis_rules(rules: Any, *, unknown: str = "error", name: str | None = None) -
     return _RulesScope(normalise(rules, unknown=unknown, name=name))
 
 
-class _RulesScope:
+class _RulesScope(_config._Scope):
     """What `axis_rules` returns: jaxshard's rules in force from the call on, and,
     when flax is in use, flax's too (`nn.logical_axis_rules`), so that the model's
     own `nn.with_logical_constraint`s and nnx's variables follow the same table.
@@ -237,31 +236,20 @@ class _RulesScope:
 
     def __init__(self, table: AxisRules):
         self._table = table
-        self._scope = _config.scope(rules=table)
+        super().__init__(_config.current()._replace(rules=table))
         linen = sys.modules.get("flax.linen")
         self._flax = None if linen is None else linen.logical_axis_rules(table.rules)
         if self._flax is not None:
             self._flax.__enter__()
 
-    def __enter__(self) -> None:
-        pass
-
     def __exit__(self, *exc_info) -> None:
         if self._flax is not None:
             self._flax.__exit__(*exc_info)
-        self._scope.__exit__(*exc_info)
+        super().__exit__(*exc_info)
 
-    def __call__(self, fn: Callable) -> Callable:
-        # As a decorator: not in force now, only while `fn` runs.
-        self.__exit__(None, None, None)
-        table = self._table
-
-        @ft.wraps(fn)
-        def wrapper(*args, **kwargs):
-            with _RulesScope(table):
-                return fn(*args, **kwargs)
-
-        return wrapper
+    def _again(self) -> "_RulesScope":
+        # The rules over the settings in force at each call, not at decoration.
+        return _RulesScope(self._table)
 
 
 @contextlib.contextmanager

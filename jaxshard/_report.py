@@ -156,13 +156,19 @@ class Report:
         `tolerance` (a fraction: 0.05 allows 5% growth). Empty when nothing did."""
         _check_tolerance(tolerance)
         old = _snapshot.load(snapshot, "jaxshard: report.compare")
+        return self._differences(old, snapshot, tolerance)
+
+    def _differences(
+        self, old: dict, path: str | os.PathLike, tolerance: float
+    ) -> tuple[Row, ...]:
+        """`compare` against the snapshot `old`, already read from `path`."""
         return tuple(
             _over_budget(
                 f"snapshot: {what}",
                 was,
                 now,
                 sentence,
-                annotation=f"as in the snapshot {os.fspath(snapshot)}",
+                annotation=f"as in the snapshot {os.fspath(path)}",
             )
             for what, was, now, sentence in _snapshot.differences(self, old, tolerance)
         )

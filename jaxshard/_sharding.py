@@ -29,7 +29,7 @@ from ._jax_internals import (
     context_mesh,
     is_batched,
 )
-from ._spec import axes_of, format_spec, sharded_type
+from ._spec import axes_of, fill_unconstrained, format_spec, sharded_type
 
 
 # --- descriptions -------------------------------------------------------------------
@@ -152,19 +152,11 @@ def compare(spec: PartitionSpec, actual, shape: tuple, dtype, mesh=None) -> str:
             f"the annotation's spec {format_spec(spec)} has {len(spec)} entries but "
             f"the array has {ndim} dimensions"
         )
-    entries = list(spec)
-    if PartitionSpec.UNCONSTRAINED in entries:
-        # Unconstrained dimensions are not checked: take the actual entry there.
-        actual_entries = (
-            list(actual.spec) + [None] * ndim
-            if isinstance(actual, NamedSharding) and actual.mesh == mesh
-            else [None] * ndim
-        )
-        entries = [
-            actual_entries[i] if e is PartitionSpec.UNCONSTRAINED else e
-            for i, e in enumerate(entries)
-        ]
-    expected = NamedSharding(mesh, PartitionSpec(*entries))
+    # Unconstrained dimensions are not checked: take the actual entry there.
+    same_mesh = isinstance(actual, NamedSharding) and actual.mesh == mesh
+    expected = NamedSharding(
+        mesh, fill_unconstrained(spec, actual.spec if same_mesh else ())
+    )
     if expected.is_equivalent_to(actual, ndim):
         return ""
     found = describe_sharding(actual, ndim)

@@ -164,20 +164,23 @@ def differences(
 # --- the parts ----------------------------------------------------------------------
 
 
+def _changed(old: dict, new: dict) -> list[tuple[Any, Any, Any]]:
+    """`(key, was, now)` for each key whose value differs (`None` where absent)."""
+    keys = sorted(old.keys() | new.keys())
+    return [(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
+
+
 def _layouts(side: str, old: dict, new: dict) -> list:
     value = side[:-1]  # "input", "output"
     found = []
-    for name in sorted(old.keys() | new.keys()):
-        was, now = old.get(name), new.get(name)
-        if was == now:
-            continue
+    for name, was, now in _changed(old, new):
         if was is None:
             sentence = f"a new {value}, {now}."
         elif now is None:
             sentence = f"the {value} ({was}) is gone."
         else:
             sentence = f"was {was}, now {now}{_replicated(was, now)}."
-        found.append((f"{side[:-1]} {name}", str(was), str(now), sentence))
+        found.append((f"{value} {name}", str(was), str(now), sentence))
     return found
 
 
@@ -201,13 +204,8 @@ def _contracts(old: list, new: list) -> list:
             out.setdefault((c["function"], c["value"]), []).append(verdict)
         return {k: "; ".join(sorted(v)) for k, v in out.items()}
 
-    was, now = verdicts(old), verdicts(new)
     found = []
-    for k in sorted(was.keys() | now.keys()):
-        function, value = k
-        a, b = was.get(k), now.get(k)
-        if a == b:
-            continue
+    for (function, value), a, b in _changed(verdicts(old), verdicts(new)):
         if a is None:
             sentence = f"a new contract, which {b}."
         elif b is None:

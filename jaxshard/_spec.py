@@ -29,6 +29,20 @@ def format_spec(spec: PartitionSpec) -> str:
     return f"P({', '.join(parts)})"
 
 
+def fill_unconstrained(spec: PartitionSpec, actual: Any) -> PartitionSpec:
+    """`spec` with each `P.UNCONSTRAINED` entry taken from the spec `actual` (`None`
+    where it has none): what an unconstrained dimension expects is what it has."""
+    if PartitionSpec.UNCONSTRAINED not in tuple(spec):
+        return spec
+    found = [*actual, *[None] * len(spec)]
+    return PartitionSpec(
+        *(
+            found[i] if e is PartitionSpec.UNCONSTRAINED else e
+            for i, e in enumerate(spec)
+        )
+    )
+
+
 def sharded_type(dtype: Any, shape: tuple[int, ...], spec: PartitionSpec) -> str:
     """An array's type as JAX prints a sharded one: `float32[8@dp,4]`, with the
     global size of each dimension and the mesh axes that split it

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from . import _config
 from ._abstract import _bound_inputs
@@ -54,7 +54,7 @@ from ._sharding import (
 )
 from ._signature import _name, _tree, signature
 from ._snapshot import load as load_snapshot
-from ._spec import sharded_type
+from ._spec import fill_unconstrained, sharded_type
 
 
 # --- recording ----------------------------------------------------------------------
@@ -102,18 +102,11 @@ class Recorder:
 
 def _types(site: Site, actual: Any) -> tuple[str, str]:
     """The expected and the actual layout in JAX's notation, `float32[8@dp,4]`."""
-    expected = site.spec
     if isinstance(actual, NamedSharding):
-        found = actual.spec
-        # An unconstrained dimension expects what it has.
-        expected = PartitionSpec(
-            *(
-                a if e is PartitionSpec.UNCONSTRAINED else e
-                for e, a in zip(expected, [*found, *[None] * len(site.shape)])
-            )
-        )
-        found = sharded_type(site.dtype, site.shape, found)
+        expected = fill_unconstrained(site.spec, actual.spec)
+        found = sharded_type(site.dtype, site.shape, actual.spec)
     else:
+        expected = fill_unconstrained(site.spec, ())
         found = describe_sharding(actual, len(site.shape))
     return sharded_type(site.dtype, site.shape, expected), found
 
@@ -226,8 +219,8 @@ def verify(
     given = against is None or isinstance(against, (str, os.PathLike))
     expect(given, "verify", "against", "the path of a snapshot", against)
     _check_tolerance(tolerance)
-    if against is not None:
-        load_snapshot(against)  # a missing or wrong file fails before compiling
+    # Read first: a missing or wrong file fails before anything is compiled.
+    golden = None if against is None else load_snapshot(against)
     name = _name(fn)
     what = f"jaxshard.verify({name})"
     bound = _bound_inputs(fn, mesh, dims, dtypes, values, what)
@@ -300,8 +293,8 @@ def verify(
         outputs=outputs,
     )
     report.__dict__["collectives"] = found  # what the cached property would compute
-    if against is not None:
-        rows = report.rows + report.compare(against, tolerance=tolerance)
+    if golden is not None:
+        rows = report.rows + report._differences(golden, against, tolerance)
         report = dataclasses.replace(report, rows=rows)
         report.__dict__["collectives"] = found
     if raise_on_error and not report.ok:
