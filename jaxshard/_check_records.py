@@ -215,9 +215,8 @@ class Scope:
         self._lock = threading.Lock()
         # Compiled calls: what each returned, not yet folded, and the folded state of
         # each of their frames (one per trace).
-        self._pending: list["Findings"] = []
+        self._pending: list[tuple[int, "Findings"]] = []
         self._folded: dict["Frame", Any] = {}
-        self._counters: dict[Any, tuple[int, Any]] = {}
 
     def next_call(self) -> int:
         if self._generation != _generation[0]:
@@ -228,22 +227,19 @@ class Scope:
 
     def run_compiled(self, compiled: Callable, mode: str, args, kwargs) -> Any:
         """Calls `compiled` (see `_compiled`) and keeps or reads what it found."""
-        call = self.next_call()
-        # The call index: the previous call's, plus one, computed on the device (a
-        # transfer from the host would cost more than the rest of the wrapper).
-        placement = _placement(args, kwargs)
-        counted, counter = self._counters.get(placement, (None, None))
-        if counted != call:
-            counter = call if placement is None else jax.device_put(call, placement)
-        out, findings = compiled(counter, *args, **kwargs)
-        if placement is not None:
-            self._counters[placement] = (call + 1, findings.next_call)
         if mode == "raise":
-            if bool(findings.flag):  # the call's one wait for the device
+            out, findings = compiled(*args, **kwargs)
+            # The call's one wait for the device (`np.asarray` reads a flag in a
+            # fraction of the time `bool` takes).
+            if np.asarray(findings.flag):
                 failures = findings.frame.failures(findings.states, deferred=False)
                 raise CheckError(failures, when=f" in {self.name}")
             return out
-        self._pending.append(findings)
+        # The call's index stays on the host, with its findings, until they are
+        # folded: nothing goes to the device with the call.
+        call = self.next_call()
+        out, findings = compiled(*args, **kwargs)
+        self._pending.append((call, findings))
         if len(self._pending) == _FOLD_EVERY:
             self._fold()
         return out
@@ -252,19 +248,22 @@ class Scope:
         """Merges the pending calls' findings, on the device, into one state per
         frame: a small program every few calls rather than a read per call."""
         by_frame: dict["Frame", list] = {}
-        for findings in self._pending:
-            by_frame.setdefault(findings.frame, []).append(findings.states)
+        for call, findings in self._pending:
+            by_frame.setdefault(findings.frame, []).append((call, findings.states))
         self._pending = []
         for frame, calls in by_frame.items():
             # Always 1 + _FOLD_EVERY states, so that the merging program compiles
-            # once: the merged state so far (if any), the calls, then padding.
+            # once per frame: the merged state so far (if any), the calls, then
+            # padding (a call index of -1).
             folded = self._folded.get(frame)
-            states = [calls[0] if folded is None else folded, *calls]
-            valid = [folded is not None] + [True] * len(calls)
+            states = [calls[0][1] if folded is None else folded]
+            index = [-1 if folded is None else _FOLDED]
+            states += [s for _, s in calls]
+            index += [c for c, _ in calls]
             padding = _FOLD_EVERY + 1 - len(states)
-            states += [calls[0]] * padding
-            valid += [False] * padding
-            self._folded[frame] = _fold_calls(tuple(states), np.array(valid))
+            states += [calls[0][1]] * padding
+            index += [-1] * padding
+            self._folded[frame] = _fold_calls(tuple(states), np.array(index, np.int32))
 
     def refs(self) -> tuple[Any, Any]:
         """The flag and call counter for the current placement."""
@@ -360,14 +359,13 @@ class Findings:
     in one array; a `jaxshard.shard_map` body returns them a group at a time). A
     pytree whose structure holds the frame, so the jit cache gives it back."""
 
-    def __init__(self, frame: "Frame", flag: Any, states: Any, next_call: Any):
+    def __init__(self, frame: "Frame", flag: Any, states: Any):
         self.frame, self.flag, self.states = frame, flag, states
-        self.next_call = next_call  # the index of the next call, on the device
 
 
 jax.tree_util.register_pytree_node(
     Findings,
-    lambda f: ((f.flag, f.states, f.next_call), f.frame),
+    lambda f: ((f.flag, f.states), f.frame),
     lambda frame, children: Findings(frame, *children),
 )
 
@@ -379,58 +377,45 @@ def _compiled(fn: Callable) -> Callable | None:
     The program is `jax.jit` of the function `fn` wraps, with `fn`'s static and
     donated arguments and its `in_shardings` and `out_shardings` (a jitted function
     called inside it would close over the checks' Refs, and JAX cannot discharge
-    those from a jit with shardings)."""
+    those from a jit with shardings). It takes exactly `fn`'s arguments: the call's
+    index stays on the host (see `Scope.run_compiled`)."""
     params = jit_parameters(fn)
     if params is None:
         return None
     fun = params["fun"]
 
-    def run(call, *args, **kwargs):
-        frame = Frame(call)
+    def run(*args, **kwargs):
+        frame = Frame()
         with _config.overriding(check_scope=frame):
             out = fun(*args, **kwargs)
         # Deferred mode reads no flag (the settings are part of jit's cache key:
         # each mode is its own program), so its program has one output fewer.
         raising = _config.current().checks == "raise"
         flag = frame.flag[...] if raising else None
-        return out, Findings(frame, flag, frame.packed(), call + 1)
+        return out, Findings(frame, flag, frame.packed())
 
-    static = params["static_argnums"]
-    jit = ft.partial(
-        jax.jit,
-        run,  # `call` comes first: the other positions move by one
-        static_argnums=tuple(i + 1 for i in static),
-        static_argnames=params["static_argnames"],
-        donate_argnums=tuple(i + 1 for i in params["donate_argnums"]),
-        donate_argnames=params["donate_argnames"],
-    )
+    kept = {k: v for k, v in params.items() if k not in ("fun", "out_shardings")}
     if "out_shardings" in params:
-        jit = ft.partial(jit, out_shardings=(params["out_shardings"], None))
-    if "in_shardings" not in params:
-        return jit()
-    given = params["in_shardings"]
-    if isinstance(given, tuple):  # one entry per argument that is not static
-        return jit(in_shardings=(None, *given))
-    # One sharding (or tree prefix) for every argument: as many as each call has.
-    by_count: dict[int, Callable] = {}
+        kept["out_shardings"] = (params["out_shardings"], None)
+    return jax.jit(run, **kept)
 
-    def compiled(call, *args, **kwargs):
-        n = len(args) - sum(1 for i in static if -len(args) <= i < len(args))
-        if n not in by_count:
-            by_count[n] = jit(in_shardings=(None, *([given] * n)))
-        return by_count[n](call, *args, **kwargs)
 
-    return compiled
+_FOLDED = -2  # the call index that marks a state folded already
 
 
 @jax.jit
-def _fold_calls(calls: tuple, valid: Any) -> Any:
-    """The packed states of several calls of one program (those where `valid`),
-    merged: per site, the counts summed and the first failure from the earliest call
-    that failed."""
-    stacked = jnp.stack(calls)
-    counts = jnp.where(valid[:, None], stacked[:, :, COUNT], 0)
-    calls = jnp.where(valid[:, None], stacked[:, :, CALLS], 0)
+def _fold_calls(states: tuple, index: Any) -> Any:
+    """The packed states of several calls of one program, merged: per site, the
+    counts summed and the first failure from the earliest call that failed. `index`
+    holds each state's call index, `_FOLDED` for a merged state (whose failures
+    carry theirs), -1 for padding."""
+    stacked = jnp.stack(states)
+    stacked = stacked.at[:, :, CALL].set(
+        jnp.where(index[:, None] == _FOLDED, stacked[:, :, CALL], index[:, None])
+    )
+    valid = (index != -1)[:, None]
+    counts = jnp.where(valid, stacked[:, :, COUNT], 0)
+    calls = jnp.where(valid, stacked[:, :, CALLS], 0)
     first = jnp.argmax(counts > 0, axis=0)
     picked = jnp.take_along_axis(stacked, first[None, :, None], axis=0)[0]
     picked = picked.at[:, CALLS].set(jnp.sum(calls, axis=0))
@@ -481,10 +466,12 @@ class Frame:
     """Checks whose state lives in one trace: Refs made in it, whose contents the
     traced function returns. See `ShardMapFrame` and `_compiled`."""
 
-    def __init__(self, call: Any = None):
+    def __init__(self):
         self.trace = current_trace()
         self.flag = new_ref_in(self.trace, np.zeros((), bool))
-        self.call = jnp.zeros((), jnp.int32) if call is None else call
+        # The call index, 0 here: a compiled call's is set when its findings are
+        # folded, and a shard_map body's findings take the call's outside.
+        self.call = jnp.zeros((), jnp.int32)
         self.groups: list[list[Site]] = []
 
     def add(self, sites: list[Site], rows: list[tuple]) -> None:
