@@ -9,15 +9,16 @@ which run on the host when the flags are read.
 import dataclasses
 from collections.abc import Callable
 from functools import reduce as functools_reduce
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType, PartitionSpec
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from ._jax_internals import ref_contents, varying_axes
+from ._jax_internals import is_batched, ref_contents, varying_axes
 
 
 BATCH_DEPTH = 4  # vmap levels whose batch index a failure reports
@@ -161,37 +162,49 @@ def _on(placement: Any):
     return jax.set_mesh(placement.mesh if placement is not None else None)
 
 
-def _statistics(items: list[tuple]) -> list[tuple]:
-    """For each `(pred_fn, operands, values, shape)`: `((count, first element,
-    device, *values at it), manual axes)` of one evaluation of the predicate
-    `pred_fn(*operands)`; inside `shard_map`, combined over the manual mesh axes so
-    every device agrees.
+class Item(NamedTuple):
+    """One check's predicate, `pred_fn(operand)`, elementwise over `operand`; the
+    `values` its message shows; `shape`, that of the predicate; and `screen`, a
+    cheaper `operand -> bool` that is true exactly when every element passes (by
+    default `jnp.all(pred_fn(operand))`)."""
 
-    For large predicates the passing case costs one fused reduction each, as for
-    `jnp.all(pred)`: the rest (the first failing element and the values there) is
+    pred_fn: Callable
+    operand: Any
+    values: list
+    shape: tuple
+    screen: Callable | None = None
+
+
+def _statistics(items: list[Item]) -> list[tuple]:
+    """For each item: `((count, first element, device, *values at it), manual
+    axes)` of one evaluation of its predicate; inside `shard_map`, combined over the
+    manual mesh axes so every device agrees.
+
+    For large predicates the passing case costs one fused reduction each (the
+    item's screen): the rest (the first failing element and the values there) is
     computed only when something failed, in one `lax.cond` for all of them, whose
     operands are the predicates' inputs rather than materialised boolean arrays."""
-    manual = _manual_axes(items[0][1][0])
+    manual = _manual_axes(items[0].operand)
     # A scalar predicate's details cost nothing; an array's cost passes over it and,
     # when it is sharded, collectives: those wait for a failure, behind one branch.
-    large = [i for i, item in enumerate(items) if item[3]]
+    large = [i for i, item in enumerate(items) if item.shape]
     out: list[Any] = [None] * len(items)
     for i, item in enumerate(items):
         if i not in large:
-            out[i] = _details(*item)
+            out[i] = _details(item.pred_fn, item.operand, item.values, item.shape)
     if large:
         group = [items[i] for i in large]
-        any_fail = _any_failure([f(*ops) for f, ops, _, _ in group], manual)
-        inputs = [(item[1], item[2]) for item in group]
+        any_fail = _any_failure(group, manual)
+        inputs = [(item.operand, item.values) for item in group]
 
         def details(inputs):
             return [
-                _details(f, ops, vals, shape)
-                for (f, _, _, shape), (ops, vals) in zip(group, inputs)
+                _details(item.pred_fn, operand, values, item.shape)
+                for item, (operand, values) in zip(group, inputs)
             ]
 
         def passing(inputs):
-            return [_passing(ops, vals) for ops, vals in inputs]
+            return [_passing(operand, values) for operand, values in inputs]
 
         for i, stats in zip(large, lax.cond(any_fail, details, passing, inputs)):
             out[i] = stats
@@ -206,44 +219,93 @@ def _statistics(items: list[tuple]) -> list[tuple]:
     return result
 
 
-def _any_failure(preds: list, manual: list) -> Any:
-    """Whether any of `preds` has a false element, the same on every device.
+def _any_failure(items: list[Item], manual: list) -> Any:
+    """Whether any item has a failing element, the same on every device.
 
-    On a mesh whose axes are all Explicit, each device looks at its own block of
-    each predicate, and at a slice of it where the block is repeated on other
-    devices (a replicated predicate is checked an eighth per device on 8 devices
-    rather than whole on each); one all-reduce of one integer then combines them
-    all. Elsewhere XLA reduces each predicate as it sees fit."""
-    mesh = _explicit_mesh(preds)
+    On a mesh of several devices, each device screens its own block of each
+    operand, and a slice of it where the block is repeated on other devices (a
+    replicated operand is screened an eighth per device on 8 devices rather than
+    whole on each); one all-reduce of one integer then combines them all. On
+    Explicit axes the blocks are known when the function is traced (a `shard_map`);
+    on Auto axes, only once XLA has propagated shardings: a custom-partitioned
+    operation then screens whatever blocks XLA chose, gathering nothing. Elsewhere
+    (one device, under `vmap`, no mesh in context) each operand is screened
+    whole."""
+    screens = [_screen(item) for item in items]
+    # Only values are checked: no tangents reach the reduction.
+    operands = [lax.stop_gradient(item.operand) for item in items]
+    mesh = None if manual else _split_mesh(operands)
     if mesh is None:
-        fails = [jnp.logical_not(jnp.all(p)) for p in preds]
+        fails = [jnp.logical_not(s(x)) for s, x in zip(screens, operands)]
         any_fail = functools_reduce(jnp.logical_or, fails)
         return _all_reduce(any_fail, manual, lax.pmax) if manual else any_fail
-    axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
-    specs = tuple(jax.typeof(p).sharding.spec for p in preds)
 
-    def local(*blocks):
-        fails = [
-            jnp.logical_not(jnp.all(_share(b, spec, axes)))
-            for b, spec in zip(blocks, specs)
-        ]
-        any_fail = functools_reduce(jnp.logical_or, fails).astype(jnp.int32)
-        return _all_reduce(any_fail, axes, lax.pmax) > 0
+    def local(mesh, specs):
+        axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
 
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=PartitionSpec())(
-        *preds
-    )
+        def screened(*blocks):
+            fails = [
+                jnp.logical_not(s(_share(b, spec, axes)))
+                for s, b, spec in zip(screens, blocks, specs)
+            ]
+            any_fail = functools_reduce(jnp.logical_or, fails).astype(jnp.int32)
+            return _all_reduce(any_fail, axes, lax.pmax) > 0
+
+        return screened
+
+    if set(mesh.axis_types) == {AxisType.Explicit}:
+        specs = tuple(jax.typeof(x).sharding.spec for x in operands)
+        return jax.shard_map(
+            local(mesh, specs), mesh=mesh, in_specs=specs, out_specs=PartitionSpec()
+        )(*operands)
+    return _after_propagation(local, screens, operands)
 
 
-def _explicit_mesh(preds: list) -> Any:
-    """The mesh of `preds` if it spans several devices and every axis is Explicit."""
-    meshes = {jax.typeof(p).sharding.mesh for p in preds}
+def _screen(item: Item) -> Callable:
+    if item.screen is not None:
+        return item.screen
+    return lambda x: jnp.all(item.pred_fn(x))
+
+
+def _split_mesh(operands: list) -> Any:
+    """The mesh to split the operands' screening over: theirs, if they share one of
+    several devices with no manual axes, and none is batched by `vmap`."""
+    meshes = {jax.typeof(x).sharding.mesh for x in operands}
     if len(meshes) != 1:
         return None
     (mesh,) = meshes
-    if mesh.empty or mesh.size == 1 or set(mesh.axis_types) != {AxisType.Explicit}:
+    if mesh.empty or mesh.size == 1 or AxisType.Manual in mesh.axis_types:
+        return None
+    if any(map(is_batched, operands)):
         return None
     return mesh
+
+
+def _after_propagation(local: Callable, screens: list, operands: list) -> Any:
+    """`local(mesh, specs)(*blocks)` on the blocks XLA's sharding propagation gave
+    `operands`, as a custom-partitioned operation: it constrains no operand's
+    layout (every dimension is a reduction factor), and the partitioner calls back
+    with the layouts it chose."""
+
+    def whole(*operands):
+        fails = [jnp.logical_not(s(x)) for s, x in zip(screens, operands)]
+        return functools_reduce(jnp.logical_or, fails)
+
+    def partition(mesh, arg_shapes, result_shape):
+        del result_shape
+        shardings = tuple(s.sharding for s in arg_shapes)
+        specs = [s.spec for s in shardings]
+        return mesh, local(mesh, specs), NamedSharding(mesh, PartitionSpec()), shardings
+
+    names = iter(f"d{i}" for i in range(sum(x.ndim for x in operands)))
+    factors = [" ".join(next(names) for _ in range(x.ndim)) for x in operands]
+    op = custom_partitioning(whole)
+    op.def_partition(
+        partition,
+        sharding_rule=", ".join(factors) + " -> ",
+        reduction_factors=tuple(" ".join(factors).split()),
+    )
+    return op(*operands)
 
 
 def _share(block, spec, axes):
@@ -264,8 +326,8 @@ def _names(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _details(pred_fn, operands, values, shape):
-    fail = jnp.logical_not(pred_fn(*operands))
+def _details(pred_fn, operand, values, shape):
+    fail = jnp.logical_not(pred_fn(operand))
     if not shape:
         count = fail.astype(jnp.int32)
         return (count, count - 1, *values)
@@ -273,15 +335,17 @@ def _details(pred_fn, operands, values, shape):
     first = jnp.min(lax.select(fail, flat, jnp.full_like(flat, _BIG)))
     at = flat == first
     picked = [
-        v if not v.shape else jnp.sum(lax.select(at, v, jnp.zeros_like(v)))
+        v
+        if not v.shape
+        else jnp.sum(lax.select(at, v, jnp.zeros_like(v)), dtype=v.dtype)
         for v in values
     ]
     return (jnp.sum(fail, dtype=jnp.int32), first, *picked)
 
 
-def _passing(operands, values):
+def _passing(operand, values):
     # Inside shard_map the outputs vary over the same mesh axes as the inputs.
-    zero = _varying_like(operands[0], jnp.zeros((), jnp.int32))
+    zero = _varying_like(operand, jnp.zeros((), jnp.int32))
     return (zero, zero - 1, *(_varying_like(v, jnp.zeros((), v.dtype)) for v in values))
 
 

@@ -36,7 +36,7 @@ from ._check_records import (
     Scope,
     Site,
 )
-from ._check_state import _encode, _INITIAL, _statistics, COUNT, ELEMENT
+from ._check_state import _encode, _INITIAL, _statistics, COUNT, ELEMENT, Item
 from ._errors import expect, expect_callable
 from ._jax_internals import in_trace
 
@@ -222,13 +222,14 @@ def _check(
     values: dict[str, Any],
     shape=None,
     pred_fn: Callable | None = None,
-    operands: tuple = (),
+    operand: Any = None,
+    screen: Callable | None = None,
 ) -> None:
     """`check`. `shape` is that of the array the predicate was computed from, when
     the predicate is a reshaped view of it (for the failing element's index). With
-    `pred_fn`, `pred` is `pred_fn(*operands)`, which can be computed again where
+    `pred_fn`, `pred` is `pred_fn(operand)`, which can be computed again where
     that is cheaper than keeping `pred`."""
-    _check_many([(pred, msg, values, shape, pred_fn, operands)], *_caller())
+    _check_many([(pred, msg, values, shape, pred_fn, operand, screen)], *_caller())
 
 
 def _check_many(entries: list[tuple], filename: str, lineno: int) -> None:
@@ -238,11 +239,11 @@ def _check_many(entries: list[tuple], filename: str, lineno: int) -> None:
     if settings.checks == "off":
         return
     traced = []
-    for pred, msg, values, shape, pred_fn, operands in entries:
+    for pred, msg, values, shape, pred_fn, operand, screen in entries:
         _check_message(msg, values)
         if pred_fn is not None:
             # Unused below when traced (so removed as dead code): for shape and layout.
-            pred = pred_fn(*operands)
+            pred = pred_fn(operand)
         if not isinstance(pred, jax.core.Tracer):
             if any(map(_spans_processes, (pred, *values.values()))):
                 _check_across_processes(pred, msg, values, filename, lineno)
@@ -254,9 +255,11 @@ def _check_many(entries: list[tuple], filename: str, lineno: int) -> None:
                 f"jaxshard.check: the predicate must be boolean; got {pred.dtype}. "
                 "Write a comparison, e.g. `x > 0`."
             )
+        if pred.size == 0:  # no element can fail (and values would have none)
+            continue
         values = {k: _broadcast(k, v, pred) for k, v in values.items()}
         if pred_fn is None:
-            pred_fn, operands = _identity, (pred,)
+            pred_fn, operand = _identity, pred
         site = Site(
             message=msg,
             filename=filename,
@@ -267,7 +270,8 @@ def _check_many(entries: list[tuple], filename: str, lineno: int) -> None:
             order=0,
             dtypes=tuple(v.dtype for v in values.values()),
         )
-        traced.append((site, (pred_fn, operands, list(values.values()), pred.shape)))
+        item = Item(pred_fn, operand, list(values.values()), pred.shape, screen)
+        traced.append((site, item))
     if not traced:
         return
     sites = [site for site, _ in traced]
@@ -353,7 +357,7 @@ def _check_across_processes(pred, msg, values, filename, lineno) -> None:
 
     def statistics(pred, values):
         values = [_broadcast(k, v, pred) for k, v in zip(names, values)]
-        ((stats, _),) = _statistics([(_identity, (pred,), values, pred.shape)])
+        ((stats, _),) = _statistics([Item(_identity, pred, values, pred.shape)])
         count, element, _, *picked = stats
         return count, element, _encode(picked)
 
@@ -447,9 +451,19 @@ def check_finite(tree: Any, name: str | None = None) -> None:
         where = name + jax.tree_util.keystr(path)
         message = f"{where} holds NaN or infinity (first: {{value}})"
         entries.append(
-            (None, message, {"value": leaf}, jnp.shape(leaf), jnp.isfinite, (leaf,))
+            (None, message, {"value": leaf}, jnp.shape(leaf), jnp.isfinite, leaf)
+            + (_all_finite,)
         )
     _check_many(entries, *_caller())
+
+
+def _all_finite(x):
+    """Whether every element of `x` is finite, in one floating-point sum: `x * 0` is
+    0 where `x` is finite and NaN where it is not, and a NaN anywhere makes the sum
+    NaN (it cannot overflow). A float sum vectorises where the boolean reduction of
+    `jnp.all(jnp.isfinite(x))` does not: about 0.6x its time on XLA's CPU backend.
+    XLA folds `x * 0` only for integers (tests/test_tpu.py pins that for TPU)."""
+    return jnp.isfinite(jnp.sum(x * 0))
 
 
 def check_range(
@@ -504,5 +518,26 @@ def check_range(
         f"{name} {{x}} is outside [{lo_text}, {hi_text}]",
         {"x": x, **bounds},
         pred_fn=within,
-        operands=(x,),
+        operand=x,
+        screen=_within_screen(x, lo, hi),
     )
+
+
+def _within_screen(x, lo, hi) -> Callable | None:
+    """For integers and scalar bounds, `lo <= x <= hi` as `lo <= min(x)` and
+    `max(x) <= hi`: reductions that vectorise, where the boolean one does not. (Not
+    for floating point, where a NaN need not survive `min`.)"""
+    if not jnp.issubdtype(x.dtype, jnp.integer) or x.size == 0:
+        return None
+    if any(jnp.ndim(b) for b in (lo, hi) if b is not None):
+        return None
+
+    def screen(x):
+        ok = jnp.ones((), bool)
+        if lo is not None:
+            ok = ok & (jnp.min(x) >= lo)
+        if hi is not None:
+            ok = ok & (jnp.max(x) <= hi)
+        return ok
+
+    return screen

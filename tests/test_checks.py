@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxshard
 from jaxshard import _check_records
@@ -580,29 +580,119 @@ def test_check_finite_names_leaves(explicit_mesh):
     assert [x.element for x in found] == [(1,), (3, 5)]
 
 
-def test_check_finite_splits_replicated_leaves(explicit_mesh):
-    """On an Explicit mesh the passing test of a whole tree is each device's slice and
-    one all-reduce; the search for the first failure waits behind a conditional."""
+@pytest.mark.parametrize("spec", [P(), P("dp")])
+def test_check_finite_splits_replicated_leaves(mesh, spec):
+    """On a mesh of either axis type, the passing test of a whole tree is each
+    device's slice and one all-reduce; the search for the first failure waits
+    behind a conditional. On Explicit axes the blocks are known at trace time; on
+    Auto axes the split is decided after XLA's sharding propagation, and lays out
+    nothing anew."""
     from jaxshard import _config
 
-    tree = jax.device_put(
-        {"w": jnp.ones((64, 32)), "b": jnp.ones(32), "s": jnp.ones(())},
-        NamedSharding(explicit_mesh, P()),
-    )
+    def placed(w, b):
+        return {
+            "w": jax.device_put(w, NamedSharding(mesh, spec)),
+            "b": jax.device_put(b, NamedSharding(mesh, P())),
+            "s": jnp.ones(()),
+        }
+
+    w, b = np.ones((64, 32), np.float32), np.ones(32, np.float32)
+    tree = placed(w, b)
+    bad_w, bad_b = w.copy(), b.copy()
+    bad_w[60, 3], bad_b[31] = np.nan, -np.inf
 
     def check(tree):
         jaxshard.check_finite(tree)
 
     f = jaxshard.checked(jax.jit(check))
-    with jax.set_mesh(explicit_mesh):
+    with jax.set_mesh(mesh):
         f(tree)
         with _config.overriding(check_scope=f.scope):
             hlo = jax.jit(check).lower(tree).compile().as_text()
-        (found,) = failures(f, {**tree, "w": tree["w"].at[60, 3].set(jnp.nan)})
+        (found,) = failures(f, placed(bad_w, b))
+        with pytest.raises(jaxshard.CheckError, match=r"tree\['b'\] holds NaN"):
+            with jaxshard.deferred_checks():
+                f(tree)
+                f(placed(w, bad_b))
     entry = hlo[hlo.index("\nENTRY") :]
     assert entry.count("all-reduce(") == 1 and "all-gather" not in hlo
+    assert "all-to-all" not in hlo and "collective-permute" not in hlo
     assert "dynamic-slice" in hlo  # each device takes its slice
     assert found.element == (60, 3) and found.count == 1
+    assert found.message == "tree['w'] holds NaN or infinity (first: nan)"
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(
+    axis_types=st.sampled_from(["explicit", "auto", None]),
+    shape=st.sampled_from([(8, 6), (16,), (4, 2, 3), (1, 8), (3, 5)]),
+    spec=st.sampled_from([P(), P("dp"), P(None, "tp"), P(("dp", "tp")), P("tp", "dp")]),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16, jnp.complex64]),
+    bad=st.lists(
+        st.tuples(st.integers(0, 10**6), st.sampled_from([jnp.nan, jnp.inf, -jnp.inf])),
+        max_size=3,
+    ),
+    in_grad=st.booleans(),
+)
+def test_check_finite_agrees_with_numpy(axis_types, shape, spec, dtype, bad, in_grad):
+    """check_finite's verdict, count and first element are NumPy's, on any layout of
+    any mesh (in JAX's context, or only the arrays'), inside `jax.grad` or not."""
+    kind = AxisType.Explicit if axis_types == "explicit" else AxisType.Auto
+    m = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(kind, kind))
+    hypothesis.assume(
+        len(spec) <= len(shape)
+        and all(
+            shape[i] % int(np.prod([m.shape[a] for a in _names(e)])) == 0
+            for i, e in enumerate(spec)
+            if e is not None
+        )
+    )
+    x = np.ones(shape, np.complex64 if dtype == jnp.complex64 else np.float32)
+    for position, value in bad:
+        x.ravel()[position % x.size] = value
+    put = jax.device_put(jnp.asarray(x, dtype), NamedSharding(m, spec))
+
+    def check(x):
+        jaxshard.check_finite({"x": x})
+        return jnp.sum(jnp.abs(x).astype(jnp.float32) ** 2)
+
+    step = jax.grad(check) if in_grad else check
+    f = jaxshard.checked(jax.jit(step))
+    context = jax.set_mesh(m) if axis_types else contextlib.nullcontext()
+    with context:
+        nonfinite = ~np.isfinite(np.asarray(jnp.asarray(x, dtype)))
+        if not nonfinite.any():
+            f(put)
+            return
+        (found,) = failures(f, put)
+    first = np.unravel_index(np.flatnonzero(nonfinite.ravel())[0], shape)
+    assert found.count == nonfinite.sum()
+    assert found.element == tuple(int(i) for i in first)
+
+
+def _names(entry):
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def test_check_range_screens_integers_by_min_and_max():
+    """Integers against scalar bounds are screened by `min` and `max`; the verdict is
+    that of the elementwise comparison, for empty arrays and at the bounds too."""
+
+    @jaxshard.checked
+    @jax.jit
+    def f(t):
+        jaxshard.check_range(t, -2, 9, name="id")
+        return t
+
+    for passing in (jnp.arange(-2, 10), jnp.zeros((0,), jnp.int32), jnp.int32(9)):
+        f(passing)
+    for value, element in ((10, (4,)), (-3, (0,))):
+        t = jnp.arange(0, 8).at[element].set(value)
+        (found,) = failures(f, t)
+        assert found.message == f"id {value} is outside [-2, 9]"
+        assert found.element == element and found.count == 1
+    (found,) = failures(f, jnp.array([[10, -5], [0, 99]], jnp.int8))
+    assert found.count == 3 and found.element == (0, 0)
 
 
 def test_check_range():
