@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _config
@@ -252,18 +253,16 @@ class Scope:
             by_frame.setdefault(findings.frame, []).append((call, findings.states))
         self._pending = []
         for frame, calls in by_frame.items():
-            # Always 1 + _FOLD_EVERY states, so that the merging program compiles
-            # once per frame: the merged state so far (if any), the calls, then
-            # padding (a call index of -1).
+            # Always _FOLD_EVERY calls, so that the merging program compiles once
+            # per frame: the calls, then padding (a call index of -1).
             folded = self._folded.get(frame)
-            states = [calls[0][1] if folded is None else folded]
-            index = [-1 if folded is None else _FOLDED]
-            states += [s for _, s in calls]
-            index += [c for c, _ in calls]
-            padding = _FOLD_EVERY + 1 - len(states)
-            states += [calls[0][1]] * padding
-            index += [-1] * padding
-            self._folded[frame] = _fold_calls(tuple(states), np.array(index, np.int32))
+            if folded is None:  # nothing has failed yet
+                zeros = (np.zeros(x.shape, np.int32) for x in calls[0][1])
+                folded = _full(*zeros, np)
+            padding = [(-1, calls[0][1])] * (_FOLD_EVERY - len(calls))
+            index = np.array([c for c, _ in calls + padding], np.int32)
+            merged = tuple(packed for _, packed in calls + padding)
+            self._folded[frame] = _fold_calls(folded, merged, index)
 
     def refs(self) -> tuple[Any, Any]:
         """The flag and call counter for the current placement."""
@@ -355,9 +354,9 @@ _FOLD_EVERY = 64
 
 
 class Findings:
-    """What one compiled call found: its frame's flag and its sites' states (packed
-    in one array; a `jaxshard.shard_map` body returns them a group at a time). A
-    pytree whose structure holds the frame, so the jit cache gives it back."""
+    """What one compiled call found: its frame's flag and its sites' states (as
+    `Frame.packed()` made them). A pytree whose structure holds the frame, so the
+    jit cache gives it back."""
 
     def __init__(self, frame: "Frame", flag: Any, states: Any):
         self.frame, self.flag, self.states = frame, flag, states
@@ -391,8 +390,9 @@ def _compiled(fn: Callable) -> Callable | None:
         # Deferred mode reads no flag (the settings are part of jit's cache key:
         # each mode is its own program), so its program has one output fewer.
         raising = _config.current().checks == "raise"
-        flag = frame.flag[...] if raising else None
-        return out, Findings(frame, flag, frame.packed())
+        packed = frame.packed()
+        flag = frame.failed(packed) if raising else None
+        return out, Findings(frame, flag, packed)
 
     kept = {k: v for k, v in params.items() if k not in ("fun", "out_shardings")}
     if "out_shardings" in params:
@@ -400,20 +400,18 @@ def _compiled(fn: Callable) -> Callable | None:
     return jax.jit(run, **kept)
 
 
-_FOLDED = -2  # the call index that marks a state folded already
-
-
 @jax.jit
-def _fold_calls(states: tuple, index: Any) -> Any:
-    """The packed states of several calls of one program, merged: per site, the
+def _fold_calls(folded: Any, calls: tuple, index: Any) -> Any:
+    """`folded`, the merged state of a frame's sites, merged with what several
+    calls of its program found (each as `Frame.packed()` made it): per site, the
     counts summed and the first failure from the earliest call that failed. `index`
-    holds each state's call index, `_FOLDED` for a merged state (whose failures
-    carry theirs), -1 for padding."""
-    stacked = jnp.stack(states)
+    holds the calls' indices, -1 for padding."""
+    stacked = jnp.stack([_full(*packed, jnp) for packed in calls])
     stacked = stacked.at[:, :, CALL].set(
-        jnp.where(index[:, None] == _FOLDED, stacked[:, :, CALL], index[:, None])
+        jnp.broadcast_to(index[:, None], stacked.shape[:2])
     )
-    valid = (index != -1)[:, None]
+    stacked = jnp.concatenate([folded[None], stacked])
+    valid = jnp.concatenate([jnp.ones(1, bool), index != -1])[:, None]
     counts = jnp.where(valid, stacked[:, :, COUNT], 0)
     calls = jnp.where(valid, stacked[:, :, CALLS], 0)
     first = jnp.argmax(counts > 0, axis=0)
@@ -463,8 +461,14 @@ _frames = _Frames()
 
 
 class Frame:
-    """Checks whose state lives in one trace: Refs made in it, whose contents the
-    traced function returns. See `ShardMapFrame` and `_compiled`."""
+    """Checks whose state lives in one trace, which returns it (see `ShardMapFrame`
+    and `_compiled`).
+
+    A check made in the trace itself runs once per call: its statistics are its
+    state, gathered with the others' into rows when the trace ends, at the cost of a
+    few operations per check. One made deeper (in a loop, `vmap`, `cond`, an inner
+    `jit` or autodiff) may run any number of times: it accumulates into a Ref made in
+    the trace."""
 
     def __init__(self):
         self.trace = current_trace()
@@ -472,9 +476,18 @@ class Frame:
         # The call index, 0 here: a compiled call's is set when its findings are
         # folded, and a shard_map body's findings take the call's outside.
         self.call = jnp.zeros((), jnp.int32)
-        self.groups: list[list[Site]] = []
+        self.once: list[tuple[Site, tuple]] = []  # checks made in the trace itself
+        self.groups: list[list[Site]] = []  # the others, a Ref per `check` call
+        self.calls: list[list[Site]] = []  # the sites of each `check` call, in order
+        self.sites_made = 0
 
     def add(self, sites: list[Site], rows: list[tuple]) -> None:
+        for site in sites:
+            site.order, self.sites_made = self.sites_made, self.sites_made + 1
+        self.calls.append(sites)
+        if current_trace() is self.trace:
+            self.once += zip(sites, rows)
+            return
         make = ft.partial(new_ref_in, self.trace)
         state = State.new([s.words for s in sites], None, make)
         for row, site in enumerate(sites):
@@ -482,29 +495,120 @@ class Frame:
         self.groups.append(sites)
         _accumulate(state, self.flag, self.call, rows)
 
-    def contents(self) -> list:
-        """The state of each group of sites, read at the end of the trace."""
-        return [sites[0].state.ref[...] for sites in self.groups]
+    def sites(self) -> list[Site]:
+        """Every site, in the order of `_full`'s rows."""
+        return [site for site, _ in self.once] + [s for g in self.groups for s in g]
 
-    def packed(self) -> Any:
-        """Every site's state as one int32[sites, columns] array, a row per site (in
-        program order) padded to the widest: one output of the program."""
-        contents = self.contents()
+    def packed(self) -> tuple[Any, Any]:
+        """What the checks found, as the trace's output: `(once, states)`, int32
+        arrays with a row per site. `once` holds the statistics of the checks made
+        in the trace itself (see `_evaluated_once`), `states` those of the others'
+        Refs; `_full` makes them whole states."""
+        contents = [sites[0].state.ref[...] for sites in self.groups]
         width = max((c.shape[1] for c in contents), default=STATE_SIZE)
-        return jnp.concatenate(
+        states = jnp.concatenate(
             [jnp.zeros((0, width), jnp.int32)]
             + [jnp.pad(c, ((0, 0), (0, width - c.shape[1]))) for c in contents]
         )
+        rows = [row for _, row in self.once]
+        once = _evaluated_once(rows) if rows else np.zeros((0, _ONCE), np.int32)
+        return once, states
 
-    def failures(self, packed: Any, deferred: bool) -> list[Failure]:
-        """The failures in `packed` (what `packed()` became), in program order."""
+    def failed(self, packed: tuple[Any, Any]) -> Any:
+        """Whether any check failed, from what `packed()` returned."""
+        once, states = packed
+        return jnp.any(once[:, 0] > 0) | jnp.any(states[:, COUNT] > 0)
+
+    def failures(self, packed: tuple[Any, Any], deferred: bool) -> list[Failure]:
+        """The failures in `packed` (what `packed()` or `_fold_calls` returned), in
+        program order."""
+        if isinstance(packed, tuple):
+            packed = _full(*packed, np)
         packed = np.asarray(packed)
-        sites = [site for group in self.groups for site in group]
-        return [
-            site.failure(row, deferred)
-            for site, row in zip(sites, packed)
-            if row[COUNT] > 0
+        failed = [
+            (site, row) for site, row in zip(self.sites(), packed) if row[COUNT] > 0
         ]
+        failed.sort(key=lambda pair: pair[0].order)
+        return [site.failure(row, deferred) for site, row in failed]
+
+
+# A once-evaluated site's row: its statistics, then its value words.
+_ONCE = 4  # COUNT, ELEMENT, DEVICE, ITERATION
+
+
+def _evaluated_once(rows: list[tuple]) -> Any:
+    """The statistics of sites evaluated once, `(count, element, device,
+    iteration, words)` each, as one int32[sites, 4 + words] array.
+
+    Each statistic of a site goes into one column and nothing else, and everything
+    derived from them waits for `_full`: XLA then fuses each site's few operations
+    into the columns' concatenations, rather than compiling a kernel per site (the
+    compile time of a thousand checks)."""
+    sites = len(rows)
+    columns = [_column([r[i] for r in rows]) for i in range(_ONCE)]
+    width = max(len(row[4]) for row in rows)
+    words = _column(
+        [w for row in rows for w in [*row[4], *[0] * (width - len(row[4]))]]
+    )
+    return jnp.concatenate(
+        [jnp.stack(columns, axis=1), jnp.reshape(words, (sites, width))], axis=1
+    )
+
+
+def _full(once: Any, states: Any, xp=jnp) -> Any:
+    """The whole states (a row per site, in `Frame.sites()` order) from a frame's
+    `(once, states)`: a once-evaluated site's state is `_merge` of the initial state
+    with its one evaluation. `xp` is `jnp` on the device, `np` on the host."""
+    sites = once.shape[0]
+    count, element, device, iteration = (once[:, i] for i in range(_ONCE))
+    fails = (count > 0).astype(np.int32)
+    zeros = xp.zeros(sites, np.int32)
+    state = xp.stack(
+        [
+            count,
+            zeros + 1,  # EVALS
+            zeros,  # LAST_CALL: the frame's call
+            fails,  # CALLS
+            fails - 1,  # LAST_FAILED: 0 (the call) if failed, else -1
+            zeros,  # CALL
+            xp.maximum(iteration, 0),  # ITERATION: the first evaluation if not given
+            element,
+            device,
+        ],
+        axis=1,
+    )
+    batch = xp.full((sites, BATCH_DEPTH), -1, np.int32)
+    once = xp.concatenate([state, batch, once[:, _ONCE:]], axis=1)
+    width = max(once.shape[1], states.shape[1])
+    return xp.concatenate(
+        [
+            xp.pad(once, ((0, 0), (0, width - once.shape[1]))),
+            xp.pad(states, ((0, 0), (0, width - states.shape[1]))),
+        ]
+    )
+
+
+def _column(values: list) -> Any:
+    """`values` (int32 scalars) as a vector: a NumPy constant if none is traced.
+
+    Stacked eight at a time, each eight behind an optimisation barrier: XLA's CPU
+    compiler fuses the operations that make up to eight values into their
+    concatenation (one kernel), but compiles a kernel per value when more are
+    concatenated at once, and a kernel costs milliseconds to compile."""
+    if not any(isinstance(v, jax.core.Tracer) for v in values):
+        return np.asarray([np.asarray(v) for v in values], np.int32).reshape(-1)
+    values = [jnp.asarray(v, jnp.int32) for v in values]
+    if len(values) <= _FUSED:
+        return jnp.stack(values)
+    return jnp.concatenate(
+        [
+            lax.optimization_barrier(jnp.stack(values[i : i + _FUSED]))
+            for i in range(0, len(values), _FUSED)
+        ]
+    )
+
+
+_FUSED = 8
 
 
 class ShardMapFrame(Frame):
@@ -513,21 +617,31 @@ class ShardMapFrame(Frame):
     the body returns their contents (the same on every device), which are then
     recorded outside as if the check had been made there."""
 
-    def forward(self, contents: list) -> None:
-        """Records, outside the shard_map, what its body found."""
+    def forward(self, packed: tuple[Any, Any]) -> None:
+        """Records, outside the shard_map, what its body found (its `packed()`)."""
         scope = _config.current().check_scope
-        for sites, state in zip(self.groups, contents):
+        once, states = packed
+        at = {id(site): i for i, (site, _) in enumerate(self.once)}
+        deeper = {id(s): i for i, s in enumerate(s for g in self.groups for s in g)}
+        for sites in self.calls:
             outer = [dataclasses.replace(site, state=None) for site in sites]
-            rows = [
-                (
-                    state[i, COUNT],
-                    state[i, ELEMENT],
-                    state[i, DEVICE],
-                    jnp.where(state[i, EVALS] > 1, state[i, ITERATION], -1),
-                    [state[i, STATE_SIZE + w] for w in range(site.words)],
+            rows = []
+            for site in sites:
+                words = range(site.words)
+                if id(site) in at:
+                    row = once[at[id(site)]]
+                    rows.append((*row[:_ONCE], [row[_ONCE + w] for w in words]))
+                    continue
+                state = states[deeper[id(site)]]
+                rows.append(
+                    (
+                        state[COUNT],
+                        state[ELEMENT],
+                        state[DEVICE],
+                        jnp.where(state[EVALS] > 1, state[ITERATION], -1),
+                        [state[STATE_SIZE + w] for w in words],
+                    )
                 )
-                for i, site in enumerate(sites)
-            ]
             if scope is None:
                 for site, row in zip(outer, rows):
                     _fallback(site, row)

@@ -328,9 +328,8 @@ def _names(entry) -> tuple[str, ...]:
 
 def _details(pred_fn, operand, values, shape):
     fail = jnp.logical_not(pred_fn(operand))
-    if not shape:
-        count = fail.astype(jnp.int32)
-        return (count, count - 1, *values)
+    if not shape:  # a scalar's first failing element is not reported
+        return (fail.astype(jnp.int32), np.int32(-1), *values)
     flat = _flat_index(fail)
     first = jnp.min(lax.select(fail, flat, jnp.full_like(flat, _BIG)))
     at = flat == first

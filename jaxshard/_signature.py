@@ -403,7 +403,7 @@ def _shard_map(fn: Callable, mesh: Any, what: str, kwargs: dict) -> Callable:
         # whose tree structure holds the frame (so jit's cache gives it back).
         with shard_map_checks() as frame:
             out = body(*args)
-        return out, Findings(frame, None, tuple(frame.contents()))
+        return out, Findings(frame, None, frame.packed())
 
     kwargs["out_specs"] = (kwargs["out_specs"], PartitionSpec())
     mapped = jax.shard_map(body_with_checks, mesh=mesh, **kwargs)
