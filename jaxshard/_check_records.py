@@ -18,16 +18,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _config
 from ._check_state import (
+    _any_failure,
     _decode,
+    _encode,
     _INITIAL,
     _merge,
     _on,
     _reduce,
+    _shared_details,
+    _stacked,
+    _statistics,
     _words,
     BATCH,
     BATCH_DEPTH,
@@ -37,6 +41,7 @@ from ._check_state import (
     DEVICE,
     ELEMENT,
     EVALS,
+    Item,
     ITERATION,
     State,
     STATE_SIZE,
@@ -477,16 +482,60 @@ class Frame:
         # folded, and a shard_map body's findings take the call's outside.
         self.call = jnp.zeros((), jnp.int32)
         self.once: list[tuple[Site, tuple]] = []  # checks made in the trace itself
+        self.shared: list[tuple[Site, Item]] = []  # ...on small arrays (see below)
+        self.screened: list[tuple[Site, Item]] = []  # ...the same, on a mesh
+        self.screens: list = []  # whether any of those failed, per check call
         self.groups: list[list[Site]] = []  # the others, a Ref per `check` call
         self.calls: list[list[Site]] = []  # the sites of each `check` call, in order
         self.sites_made = 0
 
-    def add(self, sites: list[Site], rows: list[tuple]) -> None:
+    def owns_trace(self) -> bool:
+        """Whether JAX is tracing the frame's own function (not a loop, a `vmap`, a
+        `cond`, an inner `jit` or autodiff inside it)."""
+        return current_trace() is self.trace
+
+    def add_checks(self, sites: list[Site], items: list[Item]) -> None:
+        """The checks of one `check` call made in the frame's own trace, with no
+        manual mesh axes (see `owns_trace`).
+
+        A check on a small array is screened now (one reduction, as `jnp.all`),
+        and the rest of its statistics wait for the end of the trace, where one
+        `lax.cond` computes them for every such check (`_shared_details`): a
+        program with many checks compiles a few operations for all of them. Other
+        checks are evaluated now."""
+        shared = [
+            i
+            for i, item in enumerate(items)
+            if item.shape and np.prod(item.shape) <= _SHARED_SIZE
+        ]
+        if sum(np.prod(item.shape) for _, item in self.shared) > _SHARED_TOTAL:
+            shared = []
+        if shared:
+            # Where no mesh of several devices is in context the predicates are
+            # laid out as they come, each whole (see `_shared_details`); else
+            # each is screened on its own, on its own layout.
+            mesh = jax.typeof(items[0].operand).sharding.mesh
+            if mesh.empty or mesh.size == 1:
+                self.shared += [(sites[i], items[i]) for i in shared]
+            else:
+                self.screens.append(_any_failure([items[i] for i in shared], []))
+                self.screened += [(sites[i], items[i]) for i in shared]
+        now = [i for i in range(len(items)) if i not in shared]
+        rows: list = [None] * len(items)
+        if now:
+            for i, ((count, element, device, *picked), _) in zip(
+                now, _statistics([items[i] for i in now])
+            ):
+                rows[i] = (count, element, device, np.int32(-1), _encode(picked))
+        self.add(sites, rows)
+
+    def add(self, sites: list[Site], rows: list) -> None:
+        """Sites and their statistics (`None` for those `add_checks` shares)."""
         for site in sites:
             site.order, self.sites_made = self.sites_made, self.sites_made + 1
         self.calls.append(sites)
         if current_trace() is self.trace:
-            self.once += zip(sites, rows)
+            self.once += [(s, row) for s, row in zip(sites, rows) if row is not None]
             return
         make = ft.partial(new_ref_in, self.trace)
         state = State.new([s.words for s in sites], None, make)
@@ -497,7 +546,8 @@ class Frame:
 
     def sites(self) -> list[Site]:
         """Every site, in the order of `_full`'s rows."""
-        return [site for site, _ in self.once] + [s for g in self.groups for s in g]
+        once = [site for site, _ in self.once + self.shared + self.screened]
+        return once + [s for g in self.groups for s in g]
 
     def packed(self) -> tuple[Any, Any]:
         """What the checks found, as the trace's output: `(once, states)`, int32
@@ -510,14 +560,27 @@ class Frame:
             [jnp.zeros((0, width), jnp.int32)]
             + [jnp.pad(c, ((0, 0), (0, width - c.shape[1]))) for c in contents]
         )
-        rows = [row for _, row in self.once]
-        once = _evaluated_once(rows) if rows else np.zeros((0, _ONCE), np.int32)
+        once = [_evaluated_once([row for _, row in self.once])] if self.once else []
+        # Screened together, or (on a mesh) one by one (see `add_checks`).
+        for shared, screens in ((self.shared, None), (self.screened, self.screens)):
+            if not shared:
+                continue
+            any_fail = screens and ft.reduce(jnp.logical_or, screens)
+            count, first, words = _shared_details([i for _, i in shared], any_fail)
+            minus_one = np.full(len(shared), -1, np.int32)
+            columns = [count, first, minus_one, minus_one]  # device, iteration
+            once.append(jnp.concatenate([jnp.stack(columns, axis=1), words], axis=1))
+        width = max((x.shape[1] for x in once), default=_ONCE)
+        once = jnp.concatenate(
+            [jnp.zeros((0, width), jnp.int32)]
+            + [jnp.pad(x, ((0, 0), (0, width - x.shape[1]))) for x in once]
+        )
         return once, states
 
     def failed(self, packed: tuple[Any, Any]) -> Any:
         """Whether any check failed, from what `packed()` returned."""
-        once, states = packed
-        return jnp.any(once[:, 0] > 0) | jnp.any(states[:, COUNT] > 0)
+        counts = [x[:, i] for x, i in zip(packed, (0, COUNT)) if x.shape[0]]
+        return ft.reduce(jnp.logical_or, [jnp.any(c > 0) for c in counts], False)
 
     def failures(self, packed: tuple[Any, Any], deferred: bool) -> list[Failure]:
         """The failures in `packed` (what `packed()` or `_fold_calls` returned), in
@@ -534,6 +597,10 @@ class Frame:
 
 # A once-evaluated site's row: its statistics, then its value words.
 _ONCE = 4  # COUNT, ELEMENT, DEVICE, ITERATION
+# Checks on arrays of at most this many elements share their details (see
+# `Frame.add_checks`), up to this many elements in all in one program.
+_SHARED_SIZE = 4096
+_SHARED_TOTAL = 1 << 20
 
 
 def _evaluated_once(rows: list[tuple]) -> Any:
@@ -589,26 +656,10 @@ def _full(once: Any, states: Any, xp=jnp) -> Any:
 
 
 def _column(values: list) -> Any:
-    """`values` (int32 scalars) as a vector: a NumPy constant if none is traced.
-
-    Stacked eight at a time, each eight behind an optimisation barrier: XLA's CPU
-    compiler fuses the operations that make up to eight values into their
-    concatenation (one kernel), but compiles a kernel per value when more are
-    concatenated at once, and a kernel costs milliseconds to compile."""
+    """`values` (int32 scalars) as a vector: a NumPy constant if none is traced."""
     if not any(isinstance(v, jax.core.Tracer) for v in values):
         return np.asarray([np.asarray(v) for v in values], np.int32).reshape(-1)
-    values = [jnp.asarray(v, jnp.int32) for v in values]
-    if len(values) <= _FUSED:
-        return jnp.stack(values)
-    return jnp.concatenate(
-        [
-            lax.optimization_barrier(jnp.stack(values[i : i + _FUSED]))
-            for i in range(0, len(values), _FUSED)
-        ]
-    )
-
-
-_FUSED = 8
+    return _stacked([jnp.asarray(v, jnp.int32) for v in values])
 
 
 class ShardMapFrame(Frame):

@@ -219,6 +219,114 @@ def _statistics(items: list[Item]) -> list[tuple]:
     return result
 
 
+def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, Any]:
+    """`(count, first element, value words)` of each item (an array predicate, in
+    the trace of a `checked` program, with no manual axes), as int32 `[items]`,
+    `[items]` and `[items, words]` arrays, computed behind one `lax.cond` for all
+    of them: on `any_fail`, or if it is `None`, on the predicates themselves.
+
+    It compiles to a few operations whatever the number of items: the failing
+    elements of the predicates of each size class (the next power of two) are
+    stacked into one matrix, padded, and counted, located and looked up for the
+    values by row. Without `any_fail` the matrices are made on every call, and
+    their `any` decides (no reduction per predicate, but the predicates laid out
+    anew: for a single device); with it, only in the branch. They hold every
+    item's elements: keep the items small."""
+    width = max(sum(_words(v.dtype) for v in item.values) for item in items)
+    classes: dict[int, list[int]] = {}
+    for i, item in enumerate(items):
+        size = int(np.prod(item.shape))
+        classes.setdefault(1 << (size - 1).bit_length(), []).append(i)
+    lengths = sorted(classes)
+    order = [i for length in lengths for i in classes[length]]
+
+    def stacked_fails(operands):
+        return [
+            _stacked(
+                [
+                    _row(~items[i].pred_fn(operands[i]), length, False)
+                    for i in classes[length]
+                ]
+            )
+            for length in lengths
+        ]
+
+    def details(inputs):
+        fails, operands, values = inputs
+        if fails is None:
+            fails = stacked_fails(operands)
+        counts, firsts, words = [], [], []
+        for length, failed in zip(lengths, fails):
+            members = classes[length]
+            picked = _stacked(
+                [_value_words(items[i], values[i], length, width) for i in members]
+            )
+            index = lax.broadcasted_iota(jnp.int32, failed.shape, 1)
+            first = jnp.min(jnp.where(failed, index, _BIG), axis=1)
+            at = jnp.minimum(first, length - 1)[:, None, None]
+            counts.append(jnp.sum(failed, axis=1, dtype=jnp.int32))
+            firsts.append(first)
+            words.append(jnp.take_along_axis(picked, at, axis=1)[:, 0])
+        out = tuple(jnp.concatenate(x) for x in (counts, firsts, words))
+        if order == sorted(order):
+            return out
+        back = np.argsort(order)  # from size classes to the items' order
+        return tuple(x[back] for x in out)
+
+    def passing(inputs):
+        del inputs
+        n = len(items)
+        return (jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32)) + (
+            jnp.zeros((n, width), jnp.int32),
+        )
+
+    operands = [item.operand for item in items]
+    values = [item.values for item in items]
+    fails = None
+    if any_fail is None:
+        fails = stacked_fails(operands)
+        any_fail = functools_reduce(jnp.logical_or, [jnp.any(f) for f in fails])
+        operands = None
+    return lax.cond(any_fail, details, passing, (fails, operands, values))
+
+
+def _stacked(rows: list) -> Any:
+    """`jnp.stack(rows)`, eight at a time behind an optimisation barrier: XLA's CPU
+    compiler fuses the operations making up to eight rows into their
+    concatenation (one kernel), but compiles a kernel per row when more are
+    concatenated at once, and a kernel costs milliseconds to compile."""
+    if len(rows) <= _FUSED:
+        return jnp.stack(rows)
+    return jnp.concatenate(
+        [
+            lax.optimization_barrier(jnp.stack(rows[i : i + _FUSED]))
+            for i in range(0, len(rows), _FUSED)
+        ]
+    )
+
+
+_FUSED = 8
+
+
+def _row(x, length: int, fill) -> Any:
+    """`x` flattened, on every device (to be stacked with others), padded with
+    `fill` to `length`."""
+    sharding = jax.typeof(x).sharding
+    if AxisType.Explicit in sharding.mesh.axis_types and any(sharding.spec):
+        x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
+    x = jnp.ravel(x)
+    return jnp.pad(x, [(0, length - x.size)], constant_values=fill)
+
+
+def _value_words(item: Item, values: list, length: int, width: int) -> Any:
+    """The values of `item` as int32 words, `[length, width]`: a row per element of
+    its predicate (padded), a column per word."""
+    words = [jnp.broadcast_to(w, item.shape) for w in _encode(values)]
+    columns = [_row(w, length, 0) for w in words]
+    columns += [jnp.zeros(length, jnp.int32)] * (width - len(columns))
+    return jnp.stack(columns, axis=1) if columns else jnp.zeros((length, 0), jnp.int32)
+
+
 def _any_failure(items: list[Item], manual: list) -> Any:
     """Whether any item has a failing element, the same on every device.
 

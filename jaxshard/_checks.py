@@ -36,7 +36,15 @@ from ._check_records import (
     Scope,
     Site,
 )
-from ._check_state import _encode, _INITIAL, _statistics, COUNT, ELEMENT, Item
+from ._check_state import (
+    _encode,
+    _INITIAL,
+    _manual_axes,
+    _statistics,
+    COUNT,
+    ELEMENT,
+    Item,
+)
 from ._errors import expect, expect_callable
 from ._jax_internals import in_trace
 
@@ -275,13 +283,21 @@ def _check_many(entries: list[tuple], filename: str, lineno: int) -> None:
     if not traced:
         return
     sites = [site for site, _ in traced]
+    scope = settings.check_scope
+    items = [item for _, item in traced]
+    if (
+        isinstance(scope, Frame)
+        and scope.owns_trace()
+        and not _manual_axes(items[0].operand)
+    ):
+        scope.add_checks(sites, items)
+        return
     rows = []
     for site, ((count, element, device, *picked), axes) in zip(
-        sites, _statistics([item for _, item in traced])
+        sites, _statistics(items)
     ):
         site.device_axes = axes
         rows.append((count, element, device, jnp.int32(-1), _encode(picked)))
-    scope = settings.check_scope
     frame = _frames.stack[-1] if _frames.stack else None
     if frame is not None and sites[0].device_axes:
         frame.add(sites, rows)

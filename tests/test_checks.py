@@ -484,22 +484,29 @@ def test_unowned_checks_raise_through_a_callback():
 # --- sharded data ---------------------------------------------------------------------
 
 
-def test_sharded_predicate_is_not_gathered(explicit_mesh):
+@pytest.mark.parametrize("rows", [8, 1024])
+def test_sharded_predicate_is_not_gathered(explicit_mesh, rows):
+    """A sharded predicate is reduced where it lies: its program gathers nothing
+    (a small one, of at most 4,096 elements, only in the branch that reports a
+    failure)."""
+
     def f(x):
         jaxshard.check(x < 100, "big {x}", x=x)
         return x
 
     x = jax.device_put(
-        jnp.arange(64.0).reshape(8, 8), NamedSharding(explicit_mesh, P("dp", "tp"))
+        jnp.arange(rows * 8.0).reshape(rows, 8),
+        NamedSharding(explicit_mesh, P("dp", "tp")),
     )
     g = jaxshard.checked(jax.jit(f))
-    g(x)
-    compiled = jax.jit(f).lower(x).compile().as_text()
-    assert "all-gather" not in compiled
+    g(x / rows)
+    with jax.set_mesh(explicit_mesh):
+        program = _check_records._compiled(jax.jit(f)).lower(x).compile().as_text()
+    entry = program[program.index("\nENTRY") :]
+    assert "all-gather" not in (entry if rows * 8 <= 4096 else program)
     (found,) = failures(g, x * 10)
-    assert (
-        found.message == "big 100.0" and found.element == (1, 2) and found.count == 54
-    )
+    assert found.message == "big 100.0" and found.element == (1, 2)
+    assert found.count == rows * 8 - 10
 
 
 def test_shard_map_combines_devices(explicit_mesh):
@@ -724,6 +731,71 @@ def test_a_thousand_checks():
     f(jnp.full(10, -1))
     found = failures(f, jnp.arange(10) + 990)
     assert [x.message for x in found] == [f"check {i}" for i in range(990, 1000)]
+
+
+@pytest.mark.parametrize("where", ["no mesh", "auto", "explicit"])
+def test_many_checks_of_every_size_and_value_type(where):
+    """Checks on small arrays of several sizes (sharing their details), larger ones
+    and scalars, with values of every kind, each failing or not: every failure is
+    reported in program order, with its count, first element and values, on one
+    device and on either kind of mesh."""
+    kind = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}.get(where)
+    mesh = kind and jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(kind, kind))
+    shapes = [(3,), (8, 4), (5, 7), (64,), (70, 80), (), (2, 2, 2)]
+
+    def f(xs):
+        for i, x in enumerate(xs):
+            values = dict(
+                f32=x,
+                i8=(x * 3).astype(jnp.int8),
+                c64=x * (1 + 2j),
+                bf16=x.astype(jnp.bfloat16),
+                b=x > 0,
+            )
+            message = f"{i}: " + " ".join(f"{{{k}}}" for k in values)
+            jaxshard.check(x < 10 + i, message, **values)
+        return xs
+
+    def inputs(failing):
+        xs = []
+        for i, shape in enumerate(shapes):
+            x = np.zeros(shape, np.float32)
+            if i in failing:  # two failing elements, the first at a known place
+                x.ravel()[-1] = 20 + i
+                x.ravel()[min(1, x.size - 1)] = 30 + i
+            spec = P("dp") if mesh and len(shape) and shape[0] % 4 == 0 else P()
+            xs.append(
+                jax.device_put(x, NamedSharding(mesh, spec)) if mesh else jnp.asarray(x)
+            )
+        return xs
+
+    g = jaxshard.checked(jax.jit(f))
+    context = jax.set_mesh(mesh) if mesh else contextlib.nullcontext()
+    with context:
+        g(inputs(()))
+        failing = (0, 2, 4, 5, 6)
+        found = failures(g, inputs(failing))
+    assert [int(x.message.split(":")[0]) for x in found] == list(failing)
+    for x in found:
+        i = int(x.message.split(":")[0])
+        size = int(np.prod(shapes[i]))
+        first = 30 + i  # written last, and first in order
+        assert x.count == (2 if size > 1 else 1)
+        assert x.values["f32"] == first and x.values["i8"] == np.int8(3 * first)
+        assert x.values["c64"] == first * (1 + 2j) and x.values["b"]
+        assert x.values["bf16"] == first
+        if shapes[i]:
+            expected = np.unravel_index(min(1, size - 1), shapes[i])
+            assert x.element == tuple(int(e) for e in expected)
+    with context, jaxshard.config(checks="deferred"):
+        jaxshard.flush_checks()
+        g(inputs(()))
+        g(inputs((4,)))
+        g(inputs((0, 4)))
+        with pytest.raises(jaxshard.CheckError) as e:
+            jaxshard.flush_checks()
+    found = [(int(x.message.split(":")[0]), x.call, x.calls) for x in e.value.failures]
+    assert found == [(0, 2, 1), (4, 1, 2)]
 
 
 # --- bad input ------------------------------------------------------------------------
