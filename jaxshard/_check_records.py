@@ -262,7 +262,9 @@ class Scope:
             # per frame: the calls, then padding (a call index of -1).
             folded = self._folded.get(frame)
             if folded is None:  # nothing has failed yet
-                zeros = (np.zeros(x.shape, np.int32) for x in calls[0][1])
+                zeros = (
+                    x if x is None else np.zeros(x.shape, np.int32) for x in calls[0][1]
+                )
                 folded = _full(*zeros, np)
             padding = [(-1, calls[0][1])] * (_FOLD_EVERY - len(calls))
             index = np.array([c for c, _ in calls + padding], np.int32)
@@ -298,12 +300,28 @@ class Scope:
         return state
 
     def take_failures(self, deferred: bool) -> list[Failure]:
-        """The failures recorded so far, in program order; clears them."""
-        self._fold()
-        failures = []
-        for frame, states in self._folded.items():
-            failures += frame.failures(states, deferred)
+        """The failures recorded so far, in program order; clears them. What the
+        calls since the last fold found is merged here, on the host, where it is
+        read anyway (no program to compile for the first flush)."""
+        pending, self._pending = self._pending, []
+        folded = {frame: np.asarray(x) for frame, x in self._folded.items()}
         self._folded = {}
+        pending = [
+            (call, frame, jax.device_get(packed))
+            for call, frame, packed in (
+                (call, findings.frame, findings.states) for call, findings in pending
+            )
+        ]
+        frames = list(folded) + [f for _, f, _ in pending if f not in folded]
+        failures = []
+        for frame in dict.fromkeys(frames):
+            calls = [(c, packed) for c, f, packed in pending if f is frame]
+            merged = folded.get(frame)
+            if calls:
+                index = np.array([c for c, _ in calls], np.int32)
+                packed = tuple(p for _, p in calls)
+                merged = _merge_calls(merged, packed, index, np)
+            failures += frame.failures(merged, deferred)
         return failures + self._take_ref_failures(deferred)
 
     def _take_ref_failures(self, deferred: bool) -> list[Failure]:
@@ -405,24 +423,36 @@ def _compiled(fn: Callable) -> Callable | None:
     return jax.jit(run, **kept)
 
 
-@jax.jit
-def _fold_calls(folded: Any, calls: tuple, index: Any) -> Any:
-    """`folded`, the merged state of a frame's sites, merged with what several
-    calls of its program found (each as `Frame.packed()` made it): per site, the
-    counts summed and the first failure from the earliest call that failed. `index`
-    holds the calls' indices, -1 for padding."""
-    stacked = jnp.stack([_full(*packed, jnp) for packed in calls])
-    stacked = stacked.at[:, :, CALL].set(
-        jnp.broadcast_to(index[:, None], stacked.shape[:2])
+def _merge_calls(folded: Any, calls: tuple, index: Any, xp=jnp) -> Any:
+    """`folded`, the merged state of a frame's sites (or `None`), merged with what
+    several calls of its program found (each as `Frame.packed()` made it): per
+    site, the counts summed and the first failure from the earliest call that
+    failed. `index` holds the calls' indices, -1 for padding. `xp` is `jnp` on
+    the device, `np` on the host."""
+    once, states = (
+        None if parts[0] is None else xp.stack(parts) for parts in zip(*calls)
     )
-    stacked = jnp.concatenate([folded[None], stacked])
-    valid = jnp.concatenate([jnp.ones(1, bool), index != -1])[:, None]
-    counts = jnp.where(valid, stacked[:, :, COUNT], 0)
-    calls = jnp.where(valid, stacked[:, :, CALLS], 0)
-    first = jnp.argmax(counts > 0, axis=0)
-    picked = jnp.take_along_axis(stacked, first[None, :, None], axis=0)[0]
-    picked = picked.at[:, CALLS].set(jnp.sum(calls, axis=0))
-    return picked.at[:, COUNT].set(jnp.sum(counts, axis=0))
+    stacked = _set(_full(once, states, xp), CALL, index[:, None], xp)
+    valid = index != -1
+    if folded is not None:
+        stacked = xp.concatenate([folded[None], stacked])
+        valid = xp.concatenate([xp.ones(1, bool), valid])
+    counts = xp.where(valid[:, None], stacked[:, :, COUNT], 0)
+    failed_calls = xp.where(valid[:, None], stacked[:, :, CALLS], 0)
+    first = xp.argmax(counts > 0, axis=0)
+    picked = xp.take_along_axis(stacked, first[None, :, None], axis=0)[0]
+    picked = _set(picked, CALLS, xp.sum(failed_calls, axis=0), xp)
+    return _set(picked, COUNT, xp.sum(counts, axis=0), xp)
+
+
+def _set(x: Any, column: int, value: Any, xp=jnp) -> Any:
+    """`x` with its last dimension's `column` set to `value` (broadcast)."""
+    value = xp.broadcast_to(xp.asarray(value, np.int32), x.shape[:-1])[..., None]
+    return xp.concatenate([x[..., :column], value, x[..., column + 1 :]], axis=-1)
+
+
+# The merge on the device, between flushes: a small program every few calls.
+_fold_calls = jax.jit(ft.partial(_merge_calls, xp=jnp))
 
 
 _generation = [0]  # bumped when deferred counting restarts: call indices start at 0
@@ -498,29 +528,33 @@ class Frame:
         """The checks of one `check` call made in the frame's own trace, with no
         manual mesh axes (see `owns_trace`).
 
-        A check on a small array is screened now (one reduction, as `jnp.all`),
-        and the rest of its statistics wait for the end of the trace, where one
-        `lax.cond` computes them for every such check (`_shared_details`): a
-        program with many checks compiles a few operations for all of them. Other
-        checks are evaluated now."""
-        shared = [
-            i
-            for i, item in enumerate(items)
-            if item.shape and np.prod(item.shape) <= _SHARED_SIZE
-        ]
-        if sum(np.prod(item.shape) for _, item in self.shared) > _SHARED_TOTAL:
-            shared = []
-        if shared:
-            # Where no mesh of several devices is in context the predicates are
-            # laid out as they come, each whole (see `_shared_details`); else
-            # each is screened on its own, on its own layout.
-            mesh = jax.typeof(items[0].operand).sharding.mesh
-            if mesh.empty or mesh.size == 1:
-                self.shared += [(sites[i], items[i]) for i in shared]
+        A check on an array of up to `_SHARED_SIZE` elements keeps only its test
+        of whether anything failed in the passing program: the rest of its
+        statistics wait for the end of the trace, where one `lax.cond` computes
+        them for every such check (`_shared_details`), so that a program with many
+        checks compiles a few operations for all of them. The test is a reduction
+        per check (`Item.screen`), made now on its own layout; or, for arrays of
+        up to `_STACKED_SIZE` elements where no mesh of several devices is in
+        context, one `any` over all of them, stacked. Other checks are evaluated
+        now."""
+        budget = _SHARED_TOTAL - sum(
+            np.prod(item.shape) for _, item in self.shared + self.screened
+        )
+        mesh = jax.typeof(items[0].operand).sharding.mesh
+        stacked, screened, now = [], [], []
+        for i, item in enumerate(items):
+            size = np.prod(item.shape)
+            budget -= size
+            if not item.shape or size > _SHARED_SIZE or budget < 0:
+                now.append(i)
+            elif size <= _STACKED_SIZE and (mesh.empty or mesh.size == 1):
+                stacked.append(i)
             else:
-                self.screens.append(_any_failure([items[i] for i in shared], []))
-                self.screened += [(sites[i], items[i]) for i in shared]
-        now = [i for i in range(len(items)) if i not in shared]
+                screened.append(i)
+        self.shared += [(sites[i], items[i]) for i in stacked]
+        if screened:
+            self.screens.append(_any_failure([items[i] for i in screened], []))
+            self.screened += [(sites[i], items[i]) for i in screened]
         rows: list = [None] * len(items)
         if now:
             for i, ((count, element, device, *picked), _) in zip(
@@ -551,15 +585,10 @@ class Frame:
 
     def packed(self) -> tuple[Any, Any]:
         """What the checks found, as the trace's output: `(once, states)`, int32
-        arrays with a row per site. `once` holds the statistics of the checks made
-        in the trace itself (see `_evaluated_once`), `states` those of the others'
-        Refs; `_full` makes them whole states."""
+        arrays with a row per site (or `None`, for no site). `once` holds the
+        statistics of the checks made in the trace itself (see `_evaluated_once`),
+        `states` those of the others' Refs; `_full` makes them whole states."""
         contents = [sites[0].state.ref[...] for sites in self.groups]
-        width = max((c.shape[1] for c in contents), default=STATE_SIZE)
-        states = jnp.concatenate(
-            [jnp.zeros((0, width), jnp.int32)]
-            + [jnp.pad(c, ((0, 0), (0, width - c.shape[1]))) for c in contents]
-        )
         once = [_evaluated_once([row for _, row in self.once])] if self.once else []
         # Screened together, or (on a mesh) one by one (see `add_checks`).
         for shared, screens in ((self.shared, None), (self.screened, self.screens)):
@@ -570,16 +599,11 @@ class Frame:
             minus_one = np.full(len(shared), -1, np.int32)
             columns = [count, first, minus_one, minus_one]  # device, iteration
             once.append(jnp.concatenate([jnp.stack(columns, axis=1), words], axis=1))
-        width = max((x.shape[1] for x in once), default=_ONCE)
-        once = jnp.concatenate(
-            [jnp.zeros((0, width), jnp.int32)]
-            + [jnp.pad(x, ((0, 0), (0, width - x.shape[1]))) for x in once]
-        )
-        return once, states
+        return _rows(once), _rows(contents)
 
     def failed(self, packed: tuple[Any, Any]) -> Any:
         """Whether any check failed, from what `packed()` returned."""
-        counts = [x[:, i] for x, i in zip(packed, (0, COUNT)) if x.shape[0]]
+        counts = [x[:, i] for x, i in zip(packed, (0, COUNT)) if x is not None]
         return ft.reduce(jnp.logical_or, [jnp.any(c > 0) for c in counts], False)
 
     def failures(self, packed: tuple[Any, Any], deferred: bool) -> list[Failure]:
@@ -595,12 +619,25 @@ class Frame:
         return [site.failure(row, deferred) for site, row in failed]
 
 
+def _rows(arrays: list) -> Any:
+    """int32 matrices as one, their rows padded to the widest; `None` for none."""
+    if not arrays:
+        return None
+    width = max(x.shape[1] for x in arrays)
+    return jnp.concatenate(
+        [jnp.pad(x, ((0, 0), (0, width - x.shape[1]))) for x in arrays]
+    )
+
+
 # A once-evaluated site's row: its statistics, then its value words.
 _ONCE = 4  # COUNT, ELEMENT, DEVICE, ITERATION
-# Checks on arrays of at most this many elements share their details (see
-# `Frame.add_checks`), up to this many elements in all in one program.
-_SHARED_SIZE = 4096
+# Checks on arrays of at most this many elements share their details, up to this
+# many elements in all in one program (the branch that computes the details holds
+# a copy of them); those on up to this many are tested together where they can be
+# (see `Frame.add_checks`).
+_SHARED_SIZE = 1 << 18
 _SHARED_TOTAL = 1 << 20
+_STACKED_SIZE = 4096
 
 
 def _evaluated_once(rows: list[tuple]) -> Any:
@@ -624,14 +661,15 @@ def _evaluated_once(rows: list[tuple]) -> Any:
 
 def _full(once: Any, states: Any, xp=jnp) -> Any:
     """The whole states (a row per site, in `Frame.sites()` order) from a frame's
-    `(once, states)`: a once-evaluated site's state is `_merge` of the initial state
-    with its one evaluation. `xp` is `jnp` on the device, `np` on the host."""
-    sites = once.shape[0]
-    count, element, device, iteration = (once[:, i] for i in range(_ONCE))
-    fails = (count > 0).astype(np.int32)
-    zeros = xp.zeros(sites, np.int32)
-    state = xp.stack(
-        [
+    `(once, states)` (either may be `None`, and both may have leading dimensions,
+    calls): a once-evaluated site's state is `_merge` of the initial state with its
+    one evaluation. `xp` is `jnp` on the device, `np` on the host."""
+    parts = []
+    if once is not None:
+        count, element, device, iteration = (once[..., i] for i in range(_ONCE))
+        fails = (count > 0).astype(np.int32)
+        zeros = xp.zeros_like(count)
+        columns = [
             count,
             zeros + 1,  # EVALS
             zeros,  # LAST_CALL: the frame's call
@@ -641,17 +679,17 @@ def _full(once: Any, states: Any, xp=jnp) -> Any:
             xp.maximum(iteration, 0),  # ITERATION: the first evaluation if not given
             element,
             device,
-        ],
-        axis=1,
-    )
-    batch = xp.full((sites, BATCH_DEPTH), -1, np.int32)
-    once = xp.concatenate([state, batch, once[:, _ONCE:]], axis=1)
-    width = max(once.shape[1], states.shape[1])
-    return xp.concatenate(
-        [
-            xp.pad(once, ((0, 0), (0, width - once.shape[1]))),
-            xp.pad(states, ((0, 0), (0, width - states.shape[1]))),
         ]
+        batch = xp.full(count.shape + (BATCH_DEPTH,), -1, np.int32)
+        parts.append(
+            xp.concatenate([xp.stack(columns, -1), batch, once[..., _ONCE:]], -1)
+        )
+    if states is not None:
+        parts.append(states)
+    width = max(x.shape[-1] for x in parts)
+    pad = [(0, 0)] * (parts[0].ndim - 1)
+    return xp.concatenate(
+        [xp.pad(x, pad + [(0, width - x.shape[-1])]) for x in parts], axis=-2
     )
 
 
