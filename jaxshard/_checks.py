@@ -474,12 +474,13 @@ def check_finite(tree: Any, name: str | None = None) -> None:
 
 
 def _all_finite(x):
-    """Whether every element of `x` is finite, in one floating-point sum: `x * 0` is
+    """Whether every element of `x` is finite, in one floating-point sum: `x - x` is
     0 where `x` is finite and NaN where it is not, and a NaN anywhere makes the sum
     NaN (it cannot overflow). A float sum vectorises where the boolean reduction of
-    `jnp.all(jnp.isfinite(x))` does not: about 0.6x its time on XLA's CPU backend.
-    XLA folds `x * 0` only for integers (tests/test_tpu.py pins that for TPU)."""
-    return jnp.isfinite(jnp.sum(x * 0))
+    `jnp.all(jnp.isfinite(x))` does not: 0.4x to 0.7x its time on XLA's CPU
+    backend. XLA folds `x - x` only for integers (tests/test_tpu.py pins that for
+    TPU)."""
+    return jnp.isfinite(jnp.sum(x - x))
 
 
 def check_range(
