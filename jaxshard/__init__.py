@@ -113,7 +113,7 @@ else:
     )
     from ._check_tree import Partitioned as Partitioned
 from ._abstract import abstract_args as abstract_args
-from ._check_records import CheckError as CheckError, Failure as Failure
+from ._check_sites import CheckError as CheckError, Failure as Failure
 from ._check_tree import (
     check_partitioning as check_partitioning,
     check_tree as check_tree,

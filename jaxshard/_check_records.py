@@ -1,10 +1,11 @@
 """Where value checks record what they found, and who reads it.
 
-A `checked` function has a `Scope`. A jitted one runs as a program that makes its
-checks' Refs itself, in a `Frame`, and returns their contents (`_compiled`); any other
-keeps its checks' state in Refs that live between calls. A `jaxshard.shard_map` body
-has a `ShardMapFrame`. Checks that no `checked` call owns raise from a host callback.
-See `_jax_internals.accumulate` for how the writes leave jit, scan, vmap and autodiff.
+A `checked` function has a `Scope`. A jitted one runs as a program whose checks
+record into a `Frame`, which the program returns as rows (`_compiled`,
+`_check_rows`); any other keeps its checks' state in Refs that live between calls. A
+`jaxshard.shard_map` body has a `ShardMapFrame`. Checks that no `checked` call owns
+raise from a host callback. See `_jax_internals.accumulate` for how the writes leave
+jit, scan, vmap and autodiff.
 """
 
 import atexit
@@ -21,22 +22,25 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _config
+from ._check_rows import (
+    _evaluated_once,
+    _fold_calls,
+    _full,
+    _merge_calls,
+    _ONCE,
+    _rows,
+)
+from ._check_sites import CheckError, Failure, Site
 from ._check_state import (
     _any_failure,
-    _decode,
     _encode,
     _INITIAL,
     _merge,
     _on,
     _reduce,
     _shared_details,
-    _stacked,
     _statistics,
-    _words,
-    BATCH,
     BATCH_DEPTH,
-    CALL,
-    CALLS,
     COUNT,
     DEVICE,
     ELEMENT,
@@ -59,147 +63,7 @@ from ._jax_internals import (
 )
 
 
-class CheckError(Exception):
-    """One or more value checks failed.
-
-    The message lists every failed check in program order. `failures` holds them as
-    `Failure`s, each with `.message`, `.filename`, `.lineno` and `.count`.
-    """
-
-    def __init__(self, failures: list["Failure"], *, when: str = ""):
-        self.failures = failures
-        count = len(failures)
-        head = f"{count} check{'s' if count > 1 else ''} failed{when}:"
-        super().__init__("\n".join([head, *(f"- {f}" for f in failures)]))
-
-
-CheckError.__module__ = "jaxshard"
-
-
-@dataclasses.dataclass(frozen=True)
-class Failure:
-    """A failed check.
-
-    **Attributes:**
-
-    - `message`: the check's message, formatted with the values of the first failing
-        element.
-    - `filename`, `lineno`: where `jaxshard.check` was called.
-    - `count`: how many elements failed (summed over every evaluation: all vmap
-        batch elements, loop iterations and calls since the flags were last read).
-    - `size`: how many elements the predicate has, per evaluation.
-    - `element`: the index of the first failing element in the predicate, or `None`
-        for a scalar predicate.
-    - `batch_index`: the `vmap` batch indices of the first failure, outermost first,
-        or `None` outside vmap.
-    - `iteration`: how many times the check had run in its call before it first
-        failed (the scan or loop iteration), or `None` if it runs once per call.
-    - `device`: `{mesh axis: index}` of the first failing device inside `shard_map`,
-        or `None`.
-    - `call`: in deferred mode, the index of the call where the check first failed,
-        counted from 0 at the start of `deferred_checks()` or the last flush.
-    - `calls`: in deferred mode, on how many calls the check failed.
-    - `values`: the values the message was formatted with.
-    """
-
-    message: str
-    filename: str
-    lineno: int
-    count: int
-    size: int = 1
-    element: tuple[int, ...] | None = None
-    batch_index: tuple[int, ...] | None = None
-    iteration: int | None = None
-    device: dict[str, int] | None = None
-    call: int | None = None
-    values: dict[str, Any] = dataclasses.field(default_factory=dict)
-    calls: int | None = None
-
-    def __str__(self):
-        where = []
-        calls = self.calls or 1
-        if self.size > 1:
-            where.append(f"{self.count} element{'s' if self.count != 1 else ''} failed")
-        elif self.count > calls:  # a scalar check evaluated in a loop or under vmap
-            where.append(f"failed {self.count} times")
-        if self.element is not None:
-            where.append(f"first at element {list(self.element)}")
-        if self.batch_index is not None:
-            where.append(f"vmap batch index {list(self.batch_index)}")
-        if self.iteration is not None:
-            where.append(f"iteration {self.iteration}")
-        if self.device is not None:
-            where.append(
-                "device " + ", ".join(f"{a}={i}" for a, i in self.device.items())
-            )
-        if self.call is not None and calls > 1:
-            where.append(f"failed on {calls} calls, first at call {self.call}")
-        elif self.call is not None:
-            where.append(f"call {self.call}")
-        place = f" [{'; '.join(where)}]" if where else ""
-        return f"{self.message} ({self.filename}:{self.lineno}){place}"
-
-
-# --- sites ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(eq=False)
-class Site:
-    """One `check` call in one trace, and its state on the device."""
-
-    message: str
-    filename: str
-    lineno: int
-    names: tuple[str, ...]
-    shape: tuple[int, ...]  # of the predicate, per evaluation
-    device_axes: tuple[tuple[str, int], ...]  # manual axes, inside shard_map
-    order: int
-    dtypes: tuple = ()  # of the values
-    state: "State | None" = None  # shared with the other sites of its `check` call
-    row: int = 0  # in the state
-
-    @property
-    def words(self) -> int:
-        return sum(_words(d) for d in self.dtypes)
-
-    def failure(self, state: np.ndarray, deferred: bool) -> Failure:
-        """The failure recorded in `state`, this site's row of its state."""
-        values = _decode(self.dtypes, state[STATE_SIZE:])
-        values_at = dict(zip(self.names, (v.item() for v in values)))
-        size = int(np.prod(self.shape))
-        element = None
-        if self.shape and state[ELEMENT] >= 0:
-            element = tuple(
-                int(i) for i in np.unravel_index(state[ELEMENT], self.shape)
-            )
-        batch = tuple(int(b) for b in state[BATCH:STATE_SIZE] if b >= 0) or None
-        device = None
-        if self.device_axes and state[DEVICE] >= 0:
-            sizes = [n for _, n in self.device_axes]
-            index = np.unravel_index(state[DEVICE], sizes)
-            device = {a: int(i) for (a, _), i in zip(self.device_axes, index)}
-        iteration = int(state[ITERATION]) if state[EVALS] > 1 else None
-        return Failure(
-            message=_format(self.message, values_at),
-            filename=self.filename,
-            lineno=self.lineno,
-            count=int(state[COUNT]),
-            size=size,
-            element=element,
-            batch_index=batch,
-            iteration=iteration,
-            device=device,
-            call=int(state[CALL]) if deferred else None,
-            values=values_at,
-            calls=int(state[CALLS]) if deferred else None,
-        )
-
-
-def _format(message: str, values: dict[str, Any]) -> str:
-    try:
-        return message.format(**values)
-    except (KeyError, IndexError, ValueError):
-        return message
+_generation = [0]  # bumped when deferred counting restarts: call indices start at 0
 
 
 # --- scopes: who reads the flags ------------------------------------------------------
@@ -423,41 +287,6 @@ def _compiled(fn: Callable) -> Callable | None:
     return jax.jit(run, **kept)
 
 
-def _merge_calls(folded: Any, calls: tuple, index: Any, xp=jnp) -> Any:
-    """`folded`, the merged state of a frame's sites (or `None`), merged with what
-    several calls of its program found (each as `Frame.packed()` made it): per
-    site, the counts summed and the first failure from the earliest call that
-    failed. `index` holds the calls' indices, -1 for padding. `xp` is `jnp` on
-    the device, `np` on the host."""
-    once, states = (
-        None if parts[0] is None else xp.stack(parts) for parts in zip(*calls)
-    )
-    stacked = _set(_full(once, states, xp), CALL, index[:, None], xp)
-    valid = index != -1
-    if folded is not None:
-        stacked = xp.concatenate([folded[None], stacked])
-        valid = xp.concatenate([xp.ones(1, bool), valid])
-    counts = xp.where(valid[:, None], stacked[:, :, COUNT], 0)
-    failed_calls = xp.where(valid[:, None], stacked[:, :, CALLS], 0)
-    first = xp.argmax(counts > 0, axis=0)
-    picked = xp.take_along_axis(stacked, first[None, :, None], axis=0)[0]
-    picked = _set(picked, CALLS, xp.sum(failed_calls, axis=0), xp)
-    return _set(picked, COUNT, xp.sum(counts, axis=0), xp)
-
-
-def _set(x: Any, column: int, value: Any, xp=jnp) -> Any:
-    """`x` with its last dimension's `column` set to `value` (broadcast)."""
-    value = xp.broadcast_to(xp.asarray(value, np.int32), x.shape[:-1])[..., None]
-    return xp.concatenate([x[..., :column], value, x[..., column + 1 :]], axis=-1)
-
-
-# The merge on the device, between flushes: a small program every few calls.
-_fold_calls = jax.jit(ft.partial(_merge_calls, xp=jnp))
-
-
-_generation = [0]  # bumped when deferred counting restarts: call indices start at 0
-
-
 def _record(scope: Scope, sites: list[Site], rows: list[tuple]) -> None:
     """Adds `sites` to `scope` and accumulates one evaluation into their state: for
     each, `(count, element, device, iteration, value words)`."""
@@ -619,18 +448,6 @@ class Frame:
         return [site.failure(row, deferred) for site, row in failed]
 
 
-def _rows(arrays: list) -> Any:
-    """int32 matrices as one, their rows padded to the widest; `None` for none."""
-    if not arrays:
-        return None
-    width = max(x.shape[1] for x in arrays)
-    return jnp.concatenate(
-        [jnp.pad(x, ((0, 0), (0, width - x.shape[1]))) for x in arrays]
-    )
-
-
-# A once-evaluated site's row: its statistics, then its value words.
-_ONCE = 4  # COUNT, ELEMENT, DEVICE, ITERATION
 # Checks on arrays of at most this many elements share their details, up to this
 # many elements in all in one program (the branch that computes the details holds
 # a copy of them); those on up to this many are tested together where they can be
@@ -638,66 +455,6 @@ _ONCE = 4  # COUNT, ELEMENT, DEVICE, ITERATION
 _SHARED_SIZE = 1 << 18
 _SHARED_TOTAL = 1 << 20
 _STACKED_SIZE = 4096
-
-
-def _evaluated_once(rows: list[tuple]) -> Any:
-    """The statistics of sites evaluated once, `(count, element, device,
-    iteration, words)` each, as one int32[sites, 4 + words] array.
-
-    Each statistic of a site goes into one column and nothing else, and everything
-    derived from them waits for `_full`: XLA then fuses each site's few operations
-    into the columns' concatenations, rather than compiling a kernel per site (the
-    compile time of a thousand checks)."""
-    sites = len(rows)
-    columns = [_column([r[i] for r in rows]) for i in range(_ONCE)]
-    width = max(len(row[4]) for row in rows)
-    words = _column(
-        [w for row in rows for w in [*row[4], *[0] * (width - len(row[4]))]]
-    )
-    return jnp.concatenate(
-        [jnp.stack(columns, axis=1), jnp.reshape(words, (sites, width))], axis=1
-    )
-
-
-def _full(once: Any, states: Any, xp=jnp) -> Any:
-    """The whole states (a row per site, in `Frame.sites()` order) from a frame's
-    `(once, states)` (either may be `None`, and both may have leading dimensions,
-    calls): a once-evaluated site's state is `_merge` of the initial state with its
-    one evaluation. `xp` is `jnp` on the device, `np` on the host."""
-    parts = []
-    if once is not None:
-        count, element, device, iteration = (once[..., i] for i in range(_ONCE))
-        fails = (count > 0).astype(np.int32)
-        zeros = xp.zeros_like(count)
-        columns = [
-            count,
-            zeros + 1,  # EVALS
-            zeros,  # LAST_CALL: the frame's call
-            fails,  # CALLS
-            fails - 1,  # LAST_FAILED: 0 (the call) if failed, else -1
-            zeros,  # CALL
-            xp.maximum(iteration, 0),  # ITERATION: the first evaluation if not given
-            element,
-            device,
-        ]
-        batch = xp.full(count.shape + (BATCH_DEPTH,), -1, np.int32)
-        parts.append(
-            xp.concatenate([xp.stack(columns, -1), batch, once[..., _ONCE:]], -1)
-        )
-    if states is not None:
-        parts.append(states)
-    width = max(x.shape[-1] for x in parts)
-    pad = [(0, 0)] * (parts[0].ndim - 1)
-    return xp.concatenate(
-        [xp.pad(x, pad + [(0, width - x.shape[-1])]) for x in parts], axis=-2
-    )
-
-
-def _column(values: list) -> Any:
-    """`values` (int32 scalars) as a vector: a NumPy constant if none is traced."""
-    if not any(isinstance(v, jax.core.Tracer) for v in values):
-        return np.asarray([np.asarray(v) for v in values], np.int32).reshape(-1)
-    return _stacked([jnp.asarray(v, jnp.int32) for v in values])
 
 
 class ShardMapFrame(Frame):

@@ -26,16 +26,13 @@ from . import _config
 from ._check_records import (
     _compiled,
     _fallback,
-    _format,
     _frames,
     _generation,
     _record,
-    CheckError,
-    Failure,
     Frame,
     Scope,
-    Site,
 )
+from ._check_sites import _format, CheckError, Failure, Site
 from ._check_state import (
     _encode,
     _INITIAL,
