@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._check_state import _stacked, BATCH_DEPTH, CALL, CALLS, COUNT
+from ._check_state import _stacked, BATCH_DEPTH, CALL, CALLS, COUNT, STATE_SIZE
 
 
 # A once-evaluated site's row: its statistics, then its value words.
@@ -66,6 +66,8 @@ def _full(once: Any, states: Any, xp=jnp) -> Any:
         )
     if states is not None:
         parts.append(states)
+    if not parts:  # a program with no checks
+        return xp.zeros((0, STATE_SIZE), np.int32)
     width = max(x.shape[-1] for x in parts)
     pad = [(0, 0)] * (parts[0].ndim - 1)
     return xp.concatenate(
@@ -99,6 +101,8 @@ def _merge_calls(folded: Any, calls: tuple, index: Any, xp=jnp) -> Any:
     once, states = (
         None if parts[0] is None else xp.stack(parts) for parts in zip(*calls)
     )
+    if once is None and states is None:  # a program with no checks
+        return xp.zeros((0, STATE_SIZE), np.int32)
     stacked = _set(_full(once, states, xp), CALL, index[:, None], xp)
     valid = index != -1
     if folded is not None:

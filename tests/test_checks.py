@@ -336,6 +336,23 @@ def test_deferred_counts_calls_and_elements_apart(jitted, calls):
     assert "elements failed" not in str(first)
 
 
+@pytest.mark.parametrize("calls", [1, 70])
+def test_a_checked_program_without_checks(calls):
+    """A checked jitted function that makes no check (or none this trace) runs
+    and flushes in every mode."""
+
+    @jaxshard.checked
+    @jax.jit
+    def f(x):
+        return x + 1
+
+    for mode in ("raise", "deferred"):
+        with jaxshard.config(checks=mode):
+            for _ in range(calls):
+                assert f(jnp.float32(1)) == 2
+            jaxshard.flush_checks()
+
+
 def test_deferred_mode_and_flush():
     step = step_fn()
     with jaxshard.config(checks="deferred"):
