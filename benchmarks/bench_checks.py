@@ -94,7 +94,7 @@ QUICK = "--quick" in sys.argv[1:]  # a smoke test of the script, not a measureme
 # Even numbers of rounds: each order (forward, backward) runs as often.
 STEPS = 20 if QUICK else 100
 ROUNDS = {
-    "loop": 2 if QUICK else 6,
+    "loop": 2 if QUICK else 10,
     "finite": 2 if QUICK else 10,
     "wrapper": 2 if QUICK else 10,
     "shapes": 2 if QUICK else 6,
