@@ -357,16 +357,16 @@ def _any_failure(items: list[Item], manual: list) -> Any:
                 for s, b, spec in zip(screens, blocks, specs)
             ]
             any_fail = functools_reduce(jnp.logical_or, fails).astype(jnp.int32)
-            return _all_reduce(any_fail, axes, lax.pmax) > 0
+            return (_all_reduce(any_fail, axes, lax.pmax) > 0,)
 
         return screened
 
-    if set(mesh.axis_types) == {AxisType.Explicit}:
-        specs = tuple(jax.typeof(x).sharding.spec for x in operands)
-        return jax.shard_map(
-            local(mesh, specs), mesh=mesh, in_specs=specs, out_specs=PartitionSpec()
-        )(*operands)
-    return _after_propagation(local, screens, operands)
+    def whole(*operands):
+        fails = [jnp.logical_not(s(x)) for s, x in zip(screens, operands)]
+        return (functools_reduce(jnp.logical_or, fails),)
+
+    (any_fail,) = _on_blocks(mesh, local, whole, operands, 1)
+    return any_fail
 
 
 def _screen(item: Item) -> Callable:
@@ -389,28 +389,34 @@ def _split_mesh(operands: list) -> Any:
     return mesh
 
 
-def _after_propagation(local: Callable, screens: list, operands: list) -> Any:
-    """`local(mesh, specs)(*blocks)` on the blocks XLA's sharding propagation gave
-    `operands`, as a custom-partitioned operation: it constrains no operand's
-    layout (every dimension is a reduction factor), and the partitioner calls back
-    with the layouts it chose."""
+def _on_blocks(mesh, local: Callable, whole: Callable, operands: list, outputs: int):
+    """`local(mesh, specs)(*blocks)` on each device's blocks of `operands`, which
+    returns `outputs` scalars that are the same on every device; `whole` computes
+    the same on whole arrays.
 
-    def whole(*operands):
-        fails = [jnp.logical_not(s(x)) for s, x in zip(screens, operands)]
-        return functools_reduce(jnp.logical_or, fails)
+    On Explicit axes the blocks are known at trace time: a `shard_map`. On Auto
+    axes XLA lays the operands out after tracing: a custom-partitioned operation,
+    which constrains no operand's layout (every dimension is a reduction factor) and
+    which the partitioner calls back with the layouts it chose."""
+    if set(mesh.axis_types) == {AxisType.Explicit}:
+        specs = tuple(jax.typeof(x).sharding.spec for x in operands)
+        out_specs = (PartitionSpec(),) * outputs
+        return jax.shard_map(
+            local(mesh, specs), mesh=mesh, in_specs=specs, out_specs=out_specs
+        )(*operands)
 
     def partition(mesh, arg_shapes, result_shape):
         del result_shape
         shardings = tuple(s.sharding for s in arg_shapes)
-        specs = [s.spec for s in shardings]
-        return mesh, local(mesh, specs), NamedSharding(mesh, PartitionSpec()), shardings
+        replicated = (NamedSharding(mesh, PartitionSpec()),) * outputs
+        return mesh, local(mesh, [s.spec for s in shardings]), replicated, shardings
 
     names = iter(f"d{i}" for i in range(sum(x.ndim for x in operands)))
     factors = [" ".join(next(names) for _ in range(x.ndim)) for x in operands]
     op = custom_partitioning(whole)
     op.def_partition(
         partition,
-        sharding_rule=", ".join(factors) + " -> ",
+        sharding_rule=", ".join(factors) + " -> " + ", ".join([""] * outputs),
         reduction_factors=tuple(" ".join(factors).split()),
     )
     return op(*operands)
@@ -430,24 +436,125 @@ def _share(block, spec, axes):
     return lax.dynamic_index_in_dim(block.reshape(copies, -1), index, keepdims=False)
 
 
+def _global_index(block_shape: tuple, spec, mesh) -> Any:
+    """The row-major index in the whole array of each element of this device's
+    block (of `block_shape`), for an array laid out by `spec` on `mesh`."""
+    shape, offsets = [], []
+    entries = tuple(spec) + (None,) * (len(block_shape) - len(spec))
+    for size, entry in zip(block_shape, entries):
+        block = jnp.zeros((), jnp.int32)
+        blocks = 1
+        for a in _names(entry) if entry is not None else ():
+            block = block * mesh.shape[a] + lax.axis_index(a)
+            blocks *= mesh.shape[a]
+        shape.append(size * blocks)
+        offsets.append(block * size)
+    index, stride = jnp.zeros(block_shape, jnp.int32), 1
+    for d in reversed(range(len(block_shape))):
+        index = (
+            index
+            + (lax.broadcasted_iota(jnp.int32, block_shape, d) + offsets[d]) * stride
+        )
+        stride *= shape[d]
+    return index
+
+
+def _axes_of(spec) -> set[str]:
+    return {a for entry in spec if entry is not None for a in _names(entry)}
+
+
 def _names(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _details(pred_fn, operand, values, shape):
-    fail = jnp.logical_not(pred_fn(operand))
+    """`(count, first failing element, *values there)` of the predicate
+    `pred_fn(operand)`, in one pass over it (`_first_failure`). On a mesh of several
+    devices each device reduces its share of its block, as for `_any_failure`'s
+    test, and collectives of scalars combine them: nothing is gathered."""
     if not shape:  # a scalar's first failing element is not reported
+        fail = jnp.logical_not(pred_fn(operand))
         return (fail.astype(jnp.int32), np.int32(-1), *values)
-    flat = _flat_index(fail)
-    first = jnp.min(lax.select(fail, flat, jnp.full_like(flat, _BIG)))
-    at = flat == first
-    picked = [
-        v
-        if not v.shape
-        else jnp.sum(lax.select(at, v, jnp.zeros_like(v)), dtype=v.dtype)
-        for v in values
-    ]
-    return (jnp.sum(fail, dtype=jnp.int32), first, *picked)
+    # Only values are checked: no tangents reach the reduction.
+    operand = lax.stop_gradient(operand)
+    values = [lax.stop_gradient(v) for v in values]
+    operands = [operand]
+    mesh = _split_mesh(operands)
+    if mesh is None:
+        fail = jnp.logical_not(pred_fn(operand))
+        return _first_failure(fail, _flat_index(fail), values)
+    # The values laid out as the operand, so that its blocks and theirs match.
+    sharding = jax.typeof(operands[0]).sharding
+    explicit = set(mesh.axis_types) == {AxisType.Explicit}
+    arrays = [i for i, v in enumerate(values) if v.shape]
+    for i in arrays:
+        v = values[i]
+        if explicit and jax.typeof(v).sharding.spec != sharding.spec:
+            v = jax.sharding.reshard(v, sharding)
+        operands.append(v)
+
+    def local(mesh, specs):
+        axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
+        spec = specs[0]
+
+        def on_block(block, *blocks):
+            index = _share(_global_index(block.shape, spec, mesh), spec, axes)
+            fail = _share(jnp.logical_not(pred_fn(block)), spec, axes)
+            picked = list(values)
+            for i, b in zip(arrays, blocks):
+                picked[i] = _share(b, spec, axes)
+            count, first, *at = _first_failure(fail, index, picked)
+            # Each element is counted on one device: where a block is repeated
+            # and each copy was not sliced, once per distinct block.
+            used = [(a, n) for a, n in axes if a in _axes_of(spec)]
+            count = _all_reduce(
+                count, axes if fail.size < block.size else used, lax.psum
+            )
+            least = _all_reduce(first, axes, lax.pmin)
+            me = jnp.zeros((), jnp.int32)
+            for a, n in axes:
+                me = me * n + lax.axis_index(a)
+            holder = _all_reduce(jnp.where(first == least, me, _BIG), axes, lax.pmin)
+            at = [
+                _all_reduce(
+                    jnp.where(me == holder, v, jnp.zeros((), v.dtype)), axes, lax.psum
+                )
+                for v in at
+            ]
+            return (count, least, *at)
+
+        return on_block
+
+    def whole(operand, *arrays_):
+        fail = jnp.logical_not(pred_fn(operand))
+        picked = list(values)
+        for i, v in zip(arrays, arrays_):
+            picked[i] = v
+        return tuple(_first_failure(fail, _flat_index(fail), picked))
+
+    out = _on_blocks(mesh, local, whole, operands, 2 + len(values))
+    return tuple(out)
+
+
+def _first_failure(fail, index, values) -> tuple:
+    """`(count, first failing index, *values there)` of `fail` (booleans, true
+    where an element failed), `index` (the index to report for each element) and
+    `values` (each a scalar or of `fail`'s shape), in one variadic reduction: no
+    temporary array of `fail`'s size, which a program would hold for the branch
+    that reports failures on every call."""
+    arrays = [v for v in values if v.shape]
+
+    def combine(a, b):
+        (count_a, first_a, *va), (count_b, first_b, *vb) = a, b
+        take_a = first_a <= first_b
+        picked = [lax.select(take_a, x, y) for x, y in zip(va, vb)]
+        return (count_a + count_b, jnp.minimum(first_a, first_b), *picked)
+
+    operands = (fail.astype(jnp.int32), jnp.where(fail, index, _BIG), *arrays)
+    inits = (np.int32(0), np.int32(_BIG)) + tuple(np.zeros((), v.dtype) for v in arrays)
+    count, first, *at = lax.reduce(operands, inits, combine, tuple(range(fail.ndim)))
+    at = iter(at)
+    return (count, first, *[next(at) if v.shape else v for v in values])
 
 
 def _passing(operand, values):
@@ -488,6 +595,8 @@ def _manual_axes(x) -> list[tuple[str, int]]:
 
 
 def _all_reduce(x, manual, op):
+    if not manual:
+        return x
     names = tuple(a for a, _ in manual)
     varying = varying_axes(x) or set(names)
     missing = tuple(a for a in names if a not in varying)

@@ -645,6 +645,42 @@ def test_check_finite_splits_replicated_leaves(mesh, spec):
     assert found.message == "tree['w'] holds NaN or infinity (first: nan)"
 
 
+@pytest.mark.parametrize("kind", ["explicit", "auto", "one device"])
+@pytest.mark.parametrize("spec", [P(), P("dp"), P(None, "tp"), P("tp", "dp")])
+def test_large_arrays_are_reported_where_they_lie(kind, spec):
+    """A check on an array too large to share its details (2**18 elements) finds
+    its failures in one pass over each device's share of its block: the count, the
+    first element and its values are exact, and nothing is gathered."""
+    axis = {"explicit": AxisType.Explicit}.get(kind, AxisType.Auto)
+    mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(axis, axis))
+    shape = (640, 512)
+    bad = [(601, 3), (17, 500), (17, 499), (333, 0)]
+    x = np.zeros(shape, np.float32)
+    for i, (r, c) in enumerate(bad):
+        x[r, c] = np.nan if i % 2 else np.inf
+    labels = (np.arange(x.size).reshape(shape) % 7).astype(np.int32)
+
+    def f(x, labels):
+        jaxshard.check_finite({"x": x})
+        jaxshard.check(labels < 6, "label {l} at {x}", l=labels, x=x)
+        return x
+
+    g = jaxshard.checked(jax.jit(f))
+    if kind == "one device":
+        context, args = contextlib.nullcontext(), (jnp.asarray(x), jnp.asarray(labels))
+    else:
+        context = jax.set_mesh(mesh)
+        args = tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, labels))
+    with context:
+        finite, label = failures(g, *args)
+        program = _check_records._compiled(jax.jit(f)).lower(*args).compile().as_text()
+    assert "all-gather" not in program
+    assert finite.count == 4 and finite.element == (17, 499)
+    assert finite.values["value"] == np.inf
+    assert label.count == np.sum(labels >= 6) and label.element == (0, 6)
+    assert label.values == {"l": 6, "x": 0.0}
+
+
 @hypothesis.settings(max_examples=25, deadline=None)
 @hypothesis.given(
     axis_types=st.sampled_from(["explicit", "auto", None]),
