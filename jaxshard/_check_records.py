@@ -362,10 +362,9 @@ class Frame:
         statistics wait for the end of the trace, where one `lax.cond` computes
         them for every such check (`_shared_details`), so that a program with many
         checks compiles a few operations for all of them. The test is a reduction
-        per check (`Item.screen`), made now on its own layout; or, for arrays of
-        up to `_STACKED_SIZE` elements where no mesh of several devices is in
-        context, one `any` over all of them, stacked. Other checks are evaluated
-        now."""
+        per check (`Item.screen`), made now on its own layout on a mesh of several
+        devices; elsewhere, one `any` over all of them, stacked. Other checks are
+        evaluated now."""
         budget = _SHARED_TOTAL - sum(
             np.prod(item.shape) for _, item in self.shared + self.screened
         )
@@ -376,7 +375,7 @@ class Frame:
             budget -= size
             if not item.shape or size > _SHARED_SIZE or budget < 0:
                 now.append(i)
-            elif size <= _STACKED_SIZE and (mesh.empty or mesh.size == 1):
+            elif mesh.empty or mesh.size == 1:
                 stacked.append(i)
             else:
                 screened.append(i)
@@ -448,13 +447,11 @@ class Frame:
         return [site.failure(row, deferred) for site, row in failed]
 
 
-# Checks on arrays of at most this many elements share their details, up to this
-# many elements in all in one program (the branch that computes the details holds
-# a copy of them); those on up to this many are tested together where they can be
-# (see `Frame.add_checks`).
-_SHARED_SIZE = 1 << 18
-_SHARED_TOTAL = 1 << 20
-_STACKED_SIZE = 4096
+# Checks on arrays of at most this many elements share their details (see
+# `Frame.add_checks`), up to this many elements in all in one program: the branch
+# that computes the details holds a copy of them.
+_SHARED_SIZE = 1 << 12
+_SHARED_TOTAL = 1 << 18
 
 
 class ShardMapFrame(Frame):

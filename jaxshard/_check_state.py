@@ -515,9 +515,14 @@ def _details(pred_fn, operand, values, shape):
             for a, n in axes:
                 me = me * n + lax.axis_index(a)
             holder = _all_reduce(jnp.where(first == least, me, _BIG), axes, lax.pmin)
+            # The values from the device holding the first failure, as words.
             at = [
-                _all_reduce(
-                    jnp.where(me == holder, v, jnp.zeros((), v.dtype)), axes, lax.psum
+                _from_words(
+                    [
+                        _all_reduce(jnp.where(me == holder, w, 0), axes, lax.psum)
+                        for w in _encode([v])
+                    ],
+                    v.dtype,
                 )
                 for v in at
             ]
@@ -542,7 +547,8 @@ def _first_failure(fail, index, values) -> tuple:
     `values` (each a scalar or of `fail`'s shape), in one variadic reduction: no
     temporary array of `fail`'s size, which a program would hold for the branch
     that reports failures on every call."""
-    arrays = [v for v in values if v.shape]
+    # As int32 words: XLA refuses a reduction over several float precisions.
+    words = [_encode([v]) for v in values if v.shape]
 
     def combine(a, b):
         (count_a, first_a, *va), (count_b, first_b, *vb) = a, b
@@ -550,11 +556,33 @@ def _first_failure(fail, index, values) -> tuple:
         picked = [lax.select(take_a, x, y) for x, y in zip(va, vb)]
         return (count_a + count_b, jnp.minimum(first_a, first_b), *picked)
 
-    operands = (fail.astype(jnp.int32), jnp.where(fail, index, _BIG), *arrays)
-    inits = (np.int32(0), np.int32(_BIG)) + tuple(np.zeros((), v.dtype) for v in arrays)
+    flat = [w for ws in words for w in ws]
+    operands = (fail.astype(jnp.int32), jnp.where(fail, index, _BIG), *flat)
+    inits = (np.int32(0), np.int32(_BIG)) + (np.int32(0),) * len(flat)
     count, first, *at = lax.reduce(operands, inits, combine, tuple(range(fail.ndim)))
     at = iter(at)
-    return (count, first, *[next(at) if v.shape else v for v in values])
+    picked = [
+        _from_words([next(at) for _ in range(len(_encode([v])))], v.dtype)
+        if v.shape
+        else v
+        for v in values
+    ]
+    return (count, first, *picked)
+
+
+def _from_words(words: list, dtype) -> Any:
+    """A traced value of `dtype` from the int32 words `_encode` made of it."""
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        real, imag = (lax.bitcast_convert_type(w, jnp.float32) for w in words)
+        return lax.convert_element_type(lax.complex(real, imag), dtype)
+    (word,) = words
+    if jnp.issubdtype(dtype, jnp.floating):
+        return lax.convert_element_type(
+            lax.bitcast_convert_type(word, jnp.float32), dtype
+        )
+    if dtype == jnp.uint32:
+        return lax.bitcast_convert_type(word, jnp.uint32)
+    return lax.convert_element_type(word, dtype)
 
 
 def _passing(operand, values):
