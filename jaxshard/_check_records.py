@@ -19,17 +19,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _config
-from ._check_rows import (
-    _evaluated_once,
-    _fold_calls,
-    _full,
-    _merge_calls,
-    _ONCE,
-    _rows,
-)
+from ._check_rows import _evaluated_once, _full, _ONCE, _rows
 from ._check_sites import CheckError, Failure, Site
 from ._check_state import (
     _any_failure,
@@ -41,6 +35,8 @@ from ._check_state import (
     _shared_details,
     _statistics,
     BATCH_DEPTH,
+    CALL,
+    CALLS,
     COUNT,
     DEVICE,
     ELEMENT,
@@ -55,6 +51,7 @@ from ._jax_internals import (
     context_mesh,
     current_trace,
     drop_callback_errors,
+    is_device_mismatch,
     jit_parameters,
     new_ref_in,
     new_ref_outside_traces,
@@ -83,10 +80,12 @@ class Scope:
         self._generation = -1
         self._call = -1
         self._lock = threading.Lock()
-        # Compiled calls: what each returned, not yet folded, and the folded state of
-        # each of their frames (one per trace).
-        self._pending: list[tuple[int, "Findings"]] = []
-        self._folded: dict["Frame", Any] = {}
+        # Compiled calls in deferred mode: the accumulated states of every site of
+        # every trace, as rows of one array (row 0 counts the calls), and where each
+        # trace's rows begin.
+        self._accumulated: Any = None
+        self._rows: dict["Frame", tuple[int, int]] = {}
+        self._width = STATE_SIZE + 2
 
     def next_call(self) -> int:
         if self._generation != _generation[0]:
@@ -95,45 +94,74 @@ class Scope:
         self._call += 1
         return self._call
 
-    def run_compiled(self, compiled: Callable, mode: str, args, kwargs) -> Any:
-        """Calls `compiled` (see `_compiled`) and keeps or reads what it found."""
+    def run_compiled(self, programs: tuple, mode: str, args, kwargs) -> Any:
+        """Calls one of `programs` (see `_compiled`) and reads, or keeps, what it
+        found."""
+        raising, deferred = programs
         if mode == "raise":
-            out, findings = compiled(*args, **kwargs)
+            out, findings = raising(*args, **kwargs)
             # The call's one wait for the device (`np.asarray` reads a flag in a
             # fraction of the time `bool` takes).
             if np.asarray(findings.flag):
                 failures = findings.frame.failures(findings.states, deferred=False)
                 raise CheckError(failures, when=f" in {self.name}")
             return out
-        # The call's index stays on the host, with its findings, until they are
-        # folded: nothing goes to the device with the call.
-        call = self.next_call()
-        out, findings = compiled(*args, **kwargs)
-        self._pending.append((call, findings))
-        if len(self._pending) == _FOLD_EVERY:
-            self._fold()
+        accumulated = self._accumulated
+        if accumulated is None:
+            accumulated = self._fresh(args, kwargs)
+        elif self._generation != _generation[0]:  # call indices start again
+            accumulated = _restart_count(accumulated)
+        self._generation = _generation[0]
+        try:
+            out, self._accumulated = deferred(accumulated, *args, **kwargs)
+        except _Grow as grow:
+            self._grow(accumulated, grow)
+            return self.run_compiled(programs, mode, args, kwargs)
+        except ValueError as e:
+            if not is_device_mismatch(e):
+                raise
+            # The program runs on other devices than the last: take the states
+            # there (a read and a copy, once).
+            kept = np.asarray(accumulated)
+            self._accumulated = jax.device_put(kept, _placement(args, kwargs))
+            return self.run_compiled(programs, mode, args, kwargs)
         return out
 
-    def _fold(self) -> None:
-        """Merges the pending calls' findings, on the device, into one state per
-        frame: a small program every few calls rather than a read per call."""
-        by_frame: dict["Frame", list] = {}
-        for call, findings in self._pending:
-            by_frame.setdefault(findings.frame, []).append((call, findings.states))
-        self._pending = []
-        for frame, calls in by_frame.items():
-            # Always _FOLD_EVERY calls, so that the merging program compiles once
-            # per frame: the calls, then padding (a call index of -1).
-            folded = self._folded.get(frame)
-            if folded is None:  # nothing has failed yet
-                zeros = (
-                    x if x is None else np.zeros(x.shape, np.int32) for x in calls[0][1]
-                )
-                folded = _full(*zeros, np)
-            padding = [(-1, calls[0][1])] * (_FOLD_EVERY - len(calls))
-            index = np.array([c for c, _ in calls + padding], np.int32)
-            merged = tuple(packed for _, packed in calls + padding)
-            self._folded[frame] = _fold_calls(folded, merged, index)
+    def place(self, frame: "Frame", rows: int, width: int, shape: tuple) -> int:
+        """Where the accumulated rows of a trace begin (called while it is traced,
+        with the shape of the accumulated states it is given): after the rows of
+        the traces before it. Raises `_Grow` if they do not fit."""
+        if frame not in self._rows:
+            start = 1 + sum(n for _, n in self._rows.values())
+            self._rows[frame] = (start, rows)
+        start, _ = self._rows[frame]
+        if start + rows > shape[0] or width > shape[1]:
+            raise _Grow(start + rows, width)
+        return start
+
+    def abstract_states(self) -> Any:
+        """The shape of the accumulated states the next call would be given."""
+        rows = max(16, 1 + sum(n for _, n in self._rows.values()))
+        if self._accumulated is not None:
+            rows = self._accumulated.shape[0]
+        return jax.ShapeDtypeStruct((rows, self._width), np.int32)
+
+    def _fresh(self, args: tuple, kwargs: dict) -> Any:
+        """Zero states for the rows placed so far (or a few), where the call's
+        program runs."""
+        rows = max(16, 1 + sum(n for _, n in self._rows.values()))
+        zeros = np.zeros((rows, self._width), np.int32)
+        return jax.device_put(zeros, _placement(args, kwargs))
+
+    def _grow(self, accumulated: Any, grow: "_Grow") -> None:
+        """Room for `grow`'s rows and width, twice what is needed, with the states
+        so far (a read and a copy: when a new trace does not fit)."""
+        self._width = max(self._width, grow.width)
+        old = np.asarray(accumulated)
+        rows = old.shape[0] if grow.rows <= old.shape[0] else 2 * grow.rows
+        new = np.zeros((rows, self._width), np.int32)
+        new[: old.shape[0], : old.shape[1]] = old
+        self._accumulated = jax.device_put(new, accumulated.sharding)
 
     def refs(self) -> tuple[Any, Any]:
         """The flag and call counter for the current placement."""
@@ -164,28 +192,16 @@ class Scope:
         return state
 
     def take_failures(self, deferred: bool) -> list[Failure]:
-        """The failures recorded so far, in program order; clears them. What the
-        calls since the last fold found is merged here, on the host, where it is
-        read anyway (no program to compile for the first flush)."""
-        pending, self._pending = self._pending, []
-        folded = {frame: np.asarray(x) for frame, x in self._folded.items()}
-        self._folded = {}
-        pending = [
-            (call, frame, jax.device_get(packed))
-            for call, frame, packed in (
-                (call, findings.frame, findings.states) for call, findings in pending
-            )
-        ]
-        frames = list(folded) + [f for _, f, _ in pending if f not in folded]
+        """The failures recorded so far, in program order; clears them."""
         failures = []
-        for frame in dict.fromkeys(frames):
-            calls = [(c, packed) for c, f, packed in pending if f is frame]
-            merged = folded.get(frame)
-            if calls:
-                index = np.array([c for c, _ in calls], np.int32)
-                packed = tuple(p for _, p in calls)
-                merged = _merge_calls(merged, packed, index, np)
-            failures += frame.failures(merged, deferred)
+        if self._accumulated is not None:
+            accumulated = np.asarray(self._accumulated)  # the one wait for the device
+            self._accumulated = None
+            for frame, (start, rows) in self._rows.items():
+                if start + rows <= accumulated.shape[0]:
+                    failures += frame.failures(
+                        accumulated[start : start + rows], deferred
+                    )
         return failures + self._take_ref_failures(deferred)
 
     def _take_ref_failures(self, deferred: bool) -> list[Failure]:
@@ -230,14 +246,12 @@ def _replicated(mesh: Any) -> NamedSharding:
 
 # --- compiled calls -------------------------------------------------------------------
 #
-# `checked(jax.jit(f))` runs as `jax.jit(run)`, where `run` calls the jitted `f` with
-# its checks writing to Refs made inside the trace (a `Frame`), and returns their
-# contents with `f`'s outputs. The program then has no Refs among its inputs, so JAX
-# dispatches it through its C++ fast path, and nothing waits for the device: in
-# "deferred" mode the findings of each call are merged on the device every few calls.
-
-
-_FOLD_EVERY = 64
+# `checked(jax.jit(f))` runs as a `jax.jit` program that calls the function `f` wraps
+# with its checks recording into a `Frame`, and returns what they found with `f`'s
+# outputs. The program has no Refs among its inputs, so JAX dispatches it through
+# its C++ fast path. In "raise" mode it returns a flag, read after each call; in
+# "deferred" mode it adds what it found to the accumulated states it is given and
+# returns them, and nothing waits for the device until a flush.
 
 
 class Findings:
@@ -256,35 +270,86 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def _compiled(fn: Callable) -> Callable | None:
-    """`fn` as a program that also returns its checks' findings, if `fn` is a
+def _compiled(fn: Callable, scope: Scope) -> tuple[Callable, Callable] | None:
+    """`fn` as programs that also return what its checks found, if `fn` is a
     `jax.jit` function; else `None`.
 
-    The program is `jax.jit` of the function `fn` wraps, with `fn`'s static and
+    Two programs, `jax.jit` of the function `fn` wraps, with `fn`'s static and
     donated arguments and its `in_shardings` and `out_shardings` (a jitted function
     called inside it would close over the checks' Refs, and JAX cannot discharge
-    those from a jit with shardings). It takes exactly `fn`'s arguments: the call's
-    index stays on the host (see `Scope.run_compiled`)."""
+    those from a jit with shardings):
+
+    - for "raise" mode, one that takes `fn`'s arguments and also returns a flag
+      and its checks' findings, `Findings`;
+    - for "deferred" mode, one that also takes the accumulated states of the
+      scope's checks (donated), adds what this call found, and returns them: no
+      output to keep per call, nothing to merge between calls.
+    """
     params = jit_parameters(fn)
     if params is None:
         return None
     fun = params["fun"]
 
-    def run(*args, **kwargs):
+    def traced(*args, **kwargs):
         frame = Frame()
         with _config.overriding(check_scope=frame):
             out = fun(*args, **kwargs)
-        # Deferred mode reads no flag (the settings are part of jit's cache key:
-        # each mode is its own program), so its program has one output fewer.
-        raising = _config.current().checks == "raise"
+        return frame, out
+
+    def raising(*args, **kwargs):
+        frame, out = traced(*args, **kwargs)
         packed = frame.packed()
-        flag = frame.failed(packed) if raising else None
-        return out, Findings(frame, flag, packed)
+        return out, Findings(frame, frame.failed(packed), packed)
+
+    def deferred(accumulated, *args, **kwargs):
+        frame, out = traced(*args, **kwargs)
+        states = _full(*frame.packed(), jnp)
+        if not states.shape[0]:  # no check
+            return out, accumulated
+        start = scope.place(frame, *states.shape, accumulated.shape)
+        return out, _add_call(accumulated, start, states)
 
     kept = {k: v for k, v in params.items() if k not in ("fun", "out_shardings")}
     if "out_shardings" in params:
         kept["out_shardings"] = (params["out_shardings"], None)
-    return jax.jit(run, **kept)
+    shifted = {
+        "static_argnums": tuple(i + 1 for i in params["static_argnums"]),
+        "donate_argnums": (0,) + tuple(i + 1 for i in params["donate_argnums"]),
+    }
+    if "in_shardings" in params:
+        given = params["in_shardings"]
+        # One per argument, or one for all: the accumulated states lie where the
+        # program runs.
+        shifted["in_shardings"] = (None, *given) if isinstance(given, tuple) else given
+    return jax.jit(raising, **kept), jax.jit(deferred, **{**kept, **shifted})
+
+
+class _Grow(Exception):
+    """Raised while a trace is made, when its rows do not fit in the accumulated
+    states it is given: the wrapper makes room and calls again."""
+
+    def __init__(self, rows: int, width: int):
+        self.rows, self.width = rows, width
+
+
+def _add_call(accumulated: Any, start: int, states: Any) -> Any:
+    """`accumulated` with one call's `states` (a trace's rows, from `start`) merged
+    in: per site, counts and failing calls summed, and the call's failure kept if
+    it is the site's first; and the call counted (row 0). One fused update."""
+    rows, width = states.shape
+    old = accumulated[start : start + rows, :width]
+    column = np.arange(width)[None, :]
+    summed = (column == COUNT) | (column == CALLS)
+    states = jnp.where(column == CALL, accumulated[0, 0], states)
+    first = (old[:, COUNT] == 0) & (states[:, COUNT] > 0)
+    new = jnp.where(summed, old + states, jnp.where(first[:, None], states, old))
+    accumulated = lax.dynamic_update_slice(accumulated, new, (start, 0))
+    return accumulated.at[0, 0].add(1)
+
+
+@jax.jit
+def _restart_count(accumulated: Any) -> Any:
+    return accumulated.at[0, 0].set(0)
 
 
 def _record(scope: Scope, sites: list[Site], rows: list[tuple]) -> None:
@@ -435,7 +500,7 @@ class Frame:
         return ft.reduce(jnp.logical_or, [jnp.any(c > 0) for c in counts], False)
 
     def failures(self, packed: tuple[Any, Any], deferred: bool) -> list[Failure]:
-        """The failures in `packed` (what `packed()` or `_fold_calls` returned), in
+        """The failures in `packed` (what `packed()` returned, or whole states), in
         program order."""
         if isinstance(packed, tuple):
             packed = _full(*packed, np)

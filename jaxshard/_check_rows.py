@@ -1,19 +1,17 @@
 """The findings of a checked program, as rows: what its checks made in its own trace
-return (`_evaluated_once`), made whole states (`_full`), and the findings of several
-calls merged (`_merge_calls`: on the device every few calls, on the host at a flush).
+return (`_evaluated_once`), and those made whole states (`_full`).
 
 A row per check site; the columns are those of `_check_state`'s state. Everything
 here runs with `xp` either `jax.numpy` (inside a program) or `numpy` (on the host).
 """
 
-import functools as ft
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._check_state import _stacked, BATCH_DEPTH, CALL, CALLS, COUNT, STATE_SIZE
+from ._check_state import _stacked, BATCH_DEPTH, STATE_SIZE
 
 
 # A once-evaluated site's row: its statistics, then its value words.
@@ -90,37 +88,3 @@ def _rows(arrays: list) -> Any:
     return jnp.concatenate(
         [jnp.pad(x, ((0, 0), (0, width - x.shape[1]))) for x in arrays]
     )
-
-
-def _merge_calls(folded: Any, calls: tuple, index: Any, xp=jnp) -> Any:
-    """`folded`, the merged state of a frame's sites (or `None`), merged with what
-    several calls of its program found (each as `Frame.packed()` made it): per
-    site, the counts summed and the first failure from the earliest call that
-    failed. `index` holds the calls' indices, -1 for padding. `xp` is `jnp` on
-    the device, `np` on the host."""
-    once, states = (
-        None if parts[0] is None else xp.stack(parts) for parts in zip(*calls)
-    )
-    if once is None and states is None:  # a program with no checks
-        return xp.zeros((0, STATE_SIZE), np.int32)
-    stacked = _set(_full(once, states, xp), CALL, index[:, None], xp)
-    valid = index != -1
-    if folded is not None:
-        stacked = xp.concatenate([folded[None], stacked])
-        valid = xp.concatenate([xp.ones(1, bool), valid])
-    counts = xp.where(valid[:, None], stacked[:, :, COUNT], 0)
-    failed_calls = xp.where(valid[:, None], stacked[:, :, CALLS], 0)
-    first = xp.argmax(counts > 0, axis=0)
-    picked = xp.take_along_axis(stacked, first[None, :, None], axis=0)[0]
-    picked = _set(picked, CALLS, xp.sum(failed_calls, axis=0), xp)
-    return _set(picked, COUNT, xp.sum(counts, axis=0), xp)
-
-
-def _set(x: Any, column: int, value: Any, xp=jnp) -> Any:
-    """`x` with its last dimension's `column` set to `value` (broadcast)."""
-    value = xp.broadcast_to(xp.asarray(value, np.int32), x.shape[:-1])[..., None]
-    return xp.concatenate([x[..., :column], value, x[..., column + 1 :]], axis=-1)
-
-
-# The merge on the device, between flushes: a small program every few calls.
-_fold_calls = jax.jit(ft.partial(_merge_calls, xp=jnp))

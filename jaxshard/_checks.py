@@ -122,7 +122,7 @@ def checked(fn: Callable) -> Callable:
     """
     expect_callable("checked", fn)
     scope = Scope(getattr(fn, "__qualname__", repr(fn)))
-    compiled = _compiled(fn)
+    compiled = _compiled(fn, scope)
 
     @ft.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -154,6 +154,21 @@ def checked(fn: Callable) -> Callable:
             _deferred_scopes.add(scope)
         return out
 
+    if compiled is not None:
+
+        def lower(*args, **kwargs):
+            """The program a call with these arguments runs in the mode in force,
+            lowered, as `jax.jit(f).lower` (e.g. to read its HLO). In deferred
+            mode its first argument is the accumulated states."""
+            mode = _config.current().checks
+            if mode == "off":
+                return fn.lower(*args, **kwargs)
+            if mode == "raise":
+                return compiled[0].lower(*args, **kwargs)
+            states = scope.abstract_states()
+            return compiled[1].lower(states, *args, **kwargs)
+
+        wrapper.lower = lower  # pyright: ignore[reportAttributeAccessIssue]
     wrapper.scope = scope  # pyright: ignore[reportAttributeAccessIssue]
     return wrapper
 

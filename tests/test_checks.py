@@ -16,7 +16,6 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxshard
-from jaxshard import _check_records
 
 
 def line_of(text):
@@ -410,9 +409,10 @@ def test_checked_jit_keeps_static_and_donated_arguments():
 
 
 def test_checked_jit_runs_through_jits_fast_path(monkeypatch):
-    """`checked(jax.jit(f))` runs one program that returns what its checks found.
-    It takes no Refs, so JAX dispatches it from C++: its Python path never runs
-    once the program is compiled."""
+    """`checked(jax.jit(f))` runs one program that returns what its checks found
+    (in deferred mode, with the accumulated states, donated, in and out). It takes
+    no Refs, so JAX dispatches it from C++: its Python path never runs once the
+    program is compiled, and nothing else runs between calls."""
     from jax._src.interpreters import pxla
 
     step = step_fn()
@@ -433,13 +433,39 @@ def test_checked_jit_runs_through_jits_fast_path(monkeypatch):
             return x + 1
 
         jax.jit(canary)(jnp.float32(0))
-        for _ in range(_check_records._FOLD_EVERY + 8):  # a fold or two among them
+        for _ in range(100):
             step(jnp.float32(0))
     for _ in range(3):
         step(jnp.float32(0))
     assert any("canary" in name for name in ran), ran  # the spy sees that path
-    others = [name for name in ran if "fold" not in name and "canary" not in name]
-    assert not others, ran
+    assert [name for name in ran if "canary" not in name] == [], ran
+
+
+def test_deferred_states_grow_and_follow_the_devices():
+    """The accumulated states of a deferred function make room for each new trace's
+    checks (a thousand here), keep what earlier traces found, and follow the
+    program to other devices."""
+    many = jaxshard.checked(
+        jax.jit(
+            lambda x: [
+                jaxshard.check(x[i % x.shape[0]] < 9, f"{x.shape[0]}: {i}")
+                for i in range(3 if x.shape[0] == 2 else 1000)
+            ]
+        )
+    )
+    devices = jax.devices()
+    with pytest.raises(jaxshard.CheckError) as e:
+        with jaxshard.deferred_checks():
+            many(jnp.array([0.0, 10.0]))  # fails at check 1
+            many(jax.device_put(jnp.zeros(5).at[4].set(10.0), devices[3]))
+            many(jax.device_put(jnp.zeros(2), devices[5]))
+            many(jax.device_put(jnp.array([10.0, 0.0]), devices[1]))
+    # Each trace reports its checks, in the order they were traced.
+    found = [(x.message, x.call, x.calls) for x in e.value.failures]
+    expected = [(f"5: {i}", 1, 1) for i in range(4, 1000, 5)]
+    twos = [("2: 1", 0, 1), ("2: 0", 3, 1), ("2: 2", 3, 1)]
+    assert sorted(found) == sorted(twos + expected)
+    assert [x for x in found if x[0].startswith("5")] == expected
 
 
 def test_off_compiles_the_program_without_checks():
@@ -517,7 +543,7 @@ def test_sharded_predicate_is_not_gathered(explicit_mesh, rows):
     g = jaxshard.checked(jax.jit(f))
     g(x / rows)
     with jax.set_mesh(explicit_mesh):
-        program = _check_records._compiled(jax.jit(f)).lower(x).compile().as_text()
+        program = g.lower(x).compile().as_text()
     entry = program[program.index("\nENTRY") :]
     assert "all-gather" not in (entry if rows * 8 <= 4096 else program)
     (found,) = failures(g, x * 10)
@@ -673,7 +699,7 @@ def test_large_arrays_are_reported_where_they_lie(kind, spec):
         args = tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, labels))
     with context:
         finite, label = failures(g, *args)
-        program = _check_records._compiled(jax.jit(f)).lower(*args).compile().as_text()
+        program = g.lower(*args).compile().as_text()
     assert "all-gather" not in program
     assert finite.count == 4 and finite.element == (17, 499)
     assert finite.values["value"] == np.inf
