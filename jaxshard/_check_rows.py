@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._check_state import _stacked, BATCH_DEPTH, STATE_SIZE
+from ._check_state import BATCH_DEPTH, STATE_SIZE
+from ._check_stats import _stacked
 
 
 # A once-evaluated site's row: its statistics, then its value words.

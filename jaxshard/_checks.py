@@ -23,25 +23,11 @@ import numpy as np
 from jax.sharding import AxisType
 
 from . import _config
-from ._check_records import (
-    _compiled,
-    _fallback,
-    _frames,
-    _generation,
-    _record,
-    Frame,
-    Scope,
-)
+from ._check_frames import _compiled, _frames, Frame
+from ._check_records import _fallback, _generation, _record, Scope
 from ._check_sites import _format, CheckError, Failure, Site
-from ._check_state import (
-    _encode,
-    _INITIAL,
-    _manual_axes,
-    _statistics,
-    COUNT,
-    ELEMENT,
-    Item,
-)
+from ._check_state import _encode, _INITIAL, COUNT, ELEMENT, Item
+from ._check_stats import _manual_axes, _statistics
 from ._errors import expect, expect_callable
 from ._jax_internals import in_trace
 

@@ -394,7 +394,7 @@ def _shard_map(fn: Callable, mesh: Any, what: str, kwargs: dict) -> Callable:
                     "replicated value) or pass `out_specs=`."
                 )
             kwargs["out_specs"] = out
-    from ._check_records import Findings, shard_map_checks
+    from ._check_frames import Findings, shard_map_checks
 
     body = checked_by_jaxshard(fn)
 

@@ -1,0 +1,326 @@
+"""Checks inside a compiled program: a `Frame` collects those made while the
+program is traced and makes what they found part of its outputs (`_compiled`); a
+`ShardMapFrame` does the same for a `jaxshard.shard_map` body.
+
+A check made in the frame's own trace runs once per call: its statistics are its
+state, a few fused operations. A check on a small array also waits for the end of
+the trace, where one `lax.cond` computes the details of every such check. A check
+deeper in the program (a loop, `vmap`, `cond`, an inner `jit`, autodiff) may run any
+number of times: it accumulates into a Ref made in the trace.
+"""
+
+import contextlib
+import dataclasses
+import functools as ft
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _config
+from ._check_records import _accumulate, _fallback, _record, Scope
+from ._check_rows import _evaluated_once, _full, _ONCE, _rows
+from ._check_sites import Failure, Site
+from ._check_state import (
+    _encode,
+    CALL,
+    CALLS,
+    COUNT,
+    DEVICE,
+    ELEMENT,
+    EVALS,
+    Item,
+    ITERATION,
+    State,
+    STATE_SIZE,
+)
+from ._check_stats import _any_failure, _shared_details, _statistics
+from ._jax_internals import current_trace, jit_parameters, new_ref_in
+
+
+# --- compiled calls -------------------------------------------------------------------
+#
+# `checked(jax.jit(f))` runs as a `jax.jit` program that calls the function `f` wraps
+# with its checks recording into a `Frame`, and returns what they found with `f`'s
+# outputs. The program has no Refs among its inputs, so JAX dispatches it through
+# its C++ fast path. In "raise" mode it returns a flag, read after each call; in
+# "deferred" mode it adds what it found to the accumulated states it is given and
+# returns them, and nothing waits for the device until a flush.
+
+
+class Findings:
+    """What one compiled call found: its frame's flag and its sites' states (as
+    `Frame.packed()` made them). A pytree whose structure holds the frame, so the
+    jit cache gives it back."""
+
+    def __init__(self, frame: "Frame", flag: Any, states: Any):
+        self.frame, self.flag, self.states = frame, flag, states
+
+
+jax.tree_util.register_pytree_node(
+    Findings,
+    lambda f: ((f.flag, f.states), f.frame),
+    lambda frame, children: Findings(frame, *children),
+)
+
+
+def _compiled(fn: Callable, scope: Scope) -> tuple[Callable, Callable] | None:
+    """`fn` as programs that also return what its checks found, if `fn` is a
+    `jax.jit` function; else `None`.
+
+    Two programs, `jax.jit` of the function `fn` wraps, with `fn`'s static and
+    donated arguments and its `in_shardings` and `out_shardings` (a jitted function
+    called inside it would close over the checks' Refs, and JAX cannot discharge
+    those from a jit with shardings):
+
+    - for "raise" mode, one that takes `fn`'s arguments and also returns a flag
+      and its checks' findings, `Findings`;
+    - for "deferred" mode, one that also takes the accumulated states of the
+      scope's checks (donated), adds what this call found, and returns them: no
+      output to keep per call, nothing to merge between calls.
+    """
+    params = jit_parameters(fn)
+    if params is None:
+        return None
+    fun = params["fun"]
+
+    def traced(*args, **kwargs):
+        frame = Frame()
+        with _config.overriding(check_scope=frame):
+            out = fun(*args, **kwargs)
+        return frame, out
+
+    def raising(*args, **kwargs):
+        frame, out = traced(*args, **kwargs)
+        packed = frame.packed()
+        return out, Findings(frame, frame.failed(packed), packed)
+
+    def deferred(accumulated, *args, **kwargs):
+        frame, out = traced(*args, **kwargs)
+        states = _full(*frame.packed(), jnp)
+        if not states.shape[0]:  # no check
+            return out, accumulated
+        start = scope.place(frame, *states.shape, accumulated.shape)
+        return out, _add_call(accumulated, start, states)
+
+    kept = {k: v for k, v in params.items() if k not in ("fun", "out_shardings")}
+    if "out_shardings" in params:
+        kept["out_shardings"] = (params["out_shardings"], None)
+    shifted = {
+        "static_argnums": tuple(i + 1 for i in params["static_argnums"]),
+        "donate_argnums": (0,) + tuple(i + 1 for i in params["donate_argnums"]),
+    }
+    if "in_shardings" in params:
+        given = params["in_shardings"]
+        # One per argument, or one for all: the accumulated states lie where the
+        # program runs.
+        shifted["in_shardings"] = (None, *given) if isinstance(given, tuple) else given
+    return jax.jit(raising, **kept), jax.jit(deferred, **{**kept, **shifted})
+
+
+def _add_call(accumulated: Any, start: int, states: Any) -> Any:
+    """`accumulated` with one call's `states` (a trace's rows, from `start`) merged
+    in: per site, counts and failing calls summed, and the call's failure kept if
+    it is the site's first; and the call counted (row 0). One fused update."""
+    rows, width = states.shape
+    old = accumulated[start : start + rows, :width]
+    column = np.arange(width)[None, :]
+    summed = (column == COUNT) | (column == CALLS)
+    states = jnp.where(column == CALL, accumulated[0, 0], states)
+    first = (old[:, COUNT] == 0) & (states[:, COUNT] > 0)
+    new = jnp.where(summed, old + states, jnp.where(first[:, None], states, old))
+    accumulated = lax.dynamic_update_slice(accumulated, new, (start, 0))
+    return accumulated.at[0, 0].add(1)
+
+
+class _Frames(threading.local):
+    def __init__(self):
+        self.stack: list["ShardMapFrame"] = []
+
+
+_frames = _Frames()
+
+
+class Frame:
+    """Checks whose state lives in one trace, which returns it (see `ShardMapFrame`
+    and `_compiled`).
+
+    A check made in the trace itself runs once per call: its statistics are its
+    state, gathered with the others' into rows when the trace ends, at the cost of a
+    few operations per check. One made deeper (in a loop, `vmap`, `cond`, an inner
+    `jit` or autodiff) may run any number of times: it accumulates into a Ref made in
+    the trace."""
+
+    def __init__(self):
+        self.trace = current_trace()
+        self.flag = new_ref_in(self.trace, np.zeros((), bool))
+        # The call index, 0 here: a compiled call's is set when its findings are
+        # folded, and a shard_map body's findings take the call's outside.
+        self.call = jnp.zeros((), jnp.int32)
+        self.once: list[tuple[Site, tuple]] = []  # checks made in the trace itself
+        self.shared: list[tuple[Site, Item]] = []  # ...on small arrays (see below)
+        self.screened: list[tuple[Site, Item]] = []  # ...the same, on a mesh
+        self.screens: list = []  # whether any of those failed, per check call
+        self.groups: list[list[Site]] = []  # the others, a Ref per `check` call
+        self.calls: list[list[Site]] = []  # the sites of each `check` call, in order
+        self.sites_made = 0
+
+    def owns_trace(self) -> bool:
+        """Whether JAX is tracing the frame's own function (not a loop, a `vmap`, a
+        `cond`, an inner `jit` or autodiff inside it)."""
+        return current_trace() is self.trace
+
+    def add_checks(self, sites: list[Site], items: list[Item]) -> None:
+        """The checks of one `check` call made in the frame's own trace, with no
+        manual mesh axes (see `owns_trace`).
+
+        A check on an array of up to `_SHARED_SIZE` elements keeps only its test
+        of whether anything failed in the passing program: the rest of its
+        statistics wait for the end of the trace, where one `lax.cond` computes
+        them for every such check (`_shared_details`), so that a program with many
+        checks compiles a few operations for all of them. The test is a reduction
+        per check (`Item.screen`), made now on its own layout on a mesh of several
+        devices; elsewhere, one `any` over all of them, stacked. Other checks are
+        evaluated now."""
+        budget = _SHARED_TOTAL - sum(
+            np.prod(item.shape) for _, item in self.shared + self.screened
+        )
+        mesh = jax.typeof(items[0].operand).sharding.mesh
+        stacked, screened, now = [], [], []
+        for i, item in enumerate(items):
+            size = np.prod(item.shape)
+            budget -= size
+            if not item.shape or size > _SHARED_SIZE or budget < 0:
+                now.append(i)
+            elif mesh.empty or mesh.size == 1:
+                stacked.append(i)
+            else:
+                screened.append(i)
+        self.shared += [(sites[i], items[i]) for i in stacked]
+        if screened:
+            self.screens.append(_any_failure([items[i] for i in screened], []))
+            self.screened += [(sites[i], items[i]) for i in screened]
+        rows: list = [None] * len(items)
+        if now:
+            for i, ((count, element, device, *picked), _) in zip(
+                now, _statistics([items[i] for i in now])
+            ):
+                rows[i] = (count, element, device, np.int32(-1), _encode(picked))
+        self.add(sites, rows)
+
+    def add(self, sites: list[Site], rows: list) -> None:
+        """Sites and their statistics (`None` for those `add_checks` shares)."""
+        for site in sites:
+            site.order, self.sites_made = self.sites_made, self.sites_made + 1
+        self.calls.append(sites)
+        if current_trace() is self.trace:
+            self.once += [(s, row) for s, row in zip(sites, rows) if row is not None]
+            return
+        make = ft.partial(new_ref_in, self.trace)
+        state = State.new([s.words for s in sites], None, make)
+        for row, site in enumerate(sites):
+            site.state, site.row = state, row
+        self.groups.append(sites)
+        _accumulate(state, self.flag, self.call, rows)
+
+    def sites(self) -> list[Site]:
+        """Every site, in the order of `_full`'s rows."""
+        once = [site for site, _ in self.once + self.shared + self.screened]
+        return once + [s for g in self.groups for s in g]
+
+    def packed(self) -> tuple[Any, Any]:
+        """What the checks found, as the trace's output: `(once, states)`, int32
+        arrays with a row per site (or `None`, for no site). `once` holds the
+        statistics of the checks made in the trace itself (see `_evaluated_once`),
+        `states` those of the others' Refs; `_full` makes them whole states."""
+        contents = [sites[0].state.ref[...] for sites in self.groups]
+        once = [_evaluated_once([row for _, row in self.once])] if self.once else []
+        # Screened together, or (on a mesh) one by one (see `add_checks`).
+        for shared, screens in ((self.shared, None), (self.screened, self.screens)):
+            if not shared:
+                continue
+            any_fail = screens and ft.reduce(jnp.logical_or, screens)
+            count, first, words = _shared_details([i for _, i in shared], any_fail)
+            minus_one = np.full(len(shared), -1, np.int32)
+            columns = [count, first, minus_one, minus_one]  # device, iteration
+            once.append(jnp.concatenate([jnp.stack(columns, axis=1), words], axis=1))
+        return _rows(once), _rows(contents)
+
+    def failed(self, packed: tuple[Any, Any]) -> Any:
+        """Whether any check failed, from what `packed()` returned."""
+        counts = [x[:, i] for x, i in zip(packed, (0, COUNT)) if x is not None]
+        return ft.reduce(jnp.logical_or, [jnp.any(c > 0) for c in counts], False)
+
+    def failures(self, packed: tuple[Any, Any], deferred: bool) -> list[Failure]:
+        """The failures in `packed` (what `packed()` returned, or whole states), in
+        program order."""
+        if isinstance(packed, tuple):
+            packed = _full(*packed, np)
+        packed = np.asarray(packed)
+        failed = [
+            (site, row) for site, row in zip(self.sites(), packed) if row[COUNT] > 0
+        ]
+        failed.sort(key=lambda pair: pair[0].order)
+        return [site.failure(row, deferred) for site, row in failed]
+
+
+# Checks on arrays of at most this many elements share their details (see
+# `Frame.add_checks`), up to this many elements in all in one program: the branch
+# that computes the details holds a copy of them.
+_SHARED_SIZE = 1 << 12
+_SHARED_TOTAL = 1 << 18
+
+
+class ShardMapFrame(Frame):
+    """The checks inside one `jaxshard.shard_map` body. JAX cannot close a shard_map
+    body over Refs from outside it, so the checks write to Refs made in the body, and
+    the body returns their contents (the same on every device), which are then
+    recorded outside as if the check had been made there."""
+
+    def forward(self, packed: tuple[Any, Any]) -> None:
+        """Records, outside the shard_map, what its body found (its `packed()`)."""
+        scope = _config.current().check_scope
+        once, states = packed
+        at = {id(site): i for i, (site, _) in enumerate(self.once)}
+        deeper = {id(s): i for i, s in enumerate(s for g in self.groups for s in g)}
+        for sites in self.calls:
+            outer = [dataclasses.replace(site, state=None) for site in sites]
+            rows = []
+            for site in sites:
+                words = range(site.words)
+                if id(site) in at:
+                    row = once[at[id(site)]]
+                    rows.append((*row[:_ONCE], [row[_ONCE + w] for w in words]))
+                    continue
+                state = states[deeper[id(site)]]
+                rows.append(
+                    (
+                        state[COUNT],
+                        state[ELEMENT],
+                        state[DEVICE],
+                        jnp.where(state[EVALS] > 1, state[ITERATION], -1),
+                        [state[STATE_SIZE + w] for w in words],
+                    )
+                )
+            if scope is None:
+                for site, row in zip(outer, rows):
+                    _fallback(site, row)
+            elif isinstance(scope, Frame):
+                scope.add(outer, rows)
+            else:
+                _record(scope, outer, rows)
+
+
+@contextlib.contextmanager
+def shard_map_checks() -> Iterator[ShardMapFrame]:
+    """Inside a `jaxshard.shard_map` body: collects its checks (see `ShardMapFrame`)."""
+    frame = ShardMapFrame()
+    _frames.stack.append(frame)
+    try:
+        yield frame
+    finally:
+        _frames.stack.pop()

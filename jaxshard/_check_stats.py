@@ -1,0 +1,485 @@
+"""What a check computes when it runs: the statistics of one evaluation of its
+predicate (how many elements failed, the first one, the values there), at the cost
+of one reduction per check (its screen) when nothing failed.
+
+On a mesh of several devices each device reduces its own block, and collectives of
+scalars combine them (`_on_blocks`): nothing is gathered. Inside `shard_map` the
+statistics are combined over the manual axes (`_combine_devices`).
+"""
+
+from collections.abc import Callable
+from functools import reduce as functools_reduce
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from ._check_state import _BIG, _encode, _from_words, _words, Item
+from ._jax_internals import is_batched, varying_axes
+
+
+def _statistics(items: list[Item]) -> list[tuple]:
+    """For each item: `((count, first element, device, *values at it), manual
+    axes)` of one evaluation of its predicate; inside `shard_map`, combined over the
+    manual mesh axes so every device agrees.
+
+    For large predicates the passing case costs one fused reduction each (the
+    item's screen): the rest (the first failing element and the values there) is
+    computed only when something failed, in one `lax.cond` for all of them, whose
+    operands are the predicates' inputs rather than materialised boolean arrays."""
+    manual = _manual_axes(items[0].operand)
+    # A scalar predicate's details cost nothing; an array's cost passes over it and,
+    # when it is sharded, collectives: those wait for a failure, behind one branch.
+    large = [i for i, item in enumerate(items) if item.shape]
+    out: list[Any] = [None] * len(items)
+    for i, item in enumerate(items):
+        if i not in large:
+            out[i] = _details(item.pred_fn, item.operand, item.values, item.shape)
+    if large:
+        group = [items[i] for i in large]
+        any_fail = _any_failure(group, manual)
+        inputs = [(item.operand, item.values) for item in group]
+
+        def details(inputs):
+            return [
+                _details(item.pred_fn, operand, values, item.shape)
+                for item, (operand, values) in zip(group, inputs)
+            ]
+
+        def passing(inputs):
+            return [_passing(operand, values) for operand, values in inputs]
+
+        for i, stats in zip(large, lax.cond(any_fail, details, passing, inputs)):
+            out[i] = stats
+    result = []
+    for count, first, *picked in out:
+        device = jnp.full((), -1, jnp.int32)
+        if manual:
+            count, first, device, picked = _combine_devices(
+                count, first, picked, manual
+            )
+        result.append(((count, first, device, *picked), tuple(manual)))
+    return result
+
+
+def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, Any]:
+    """`(count, first element, value words)` of each item (an array predicate, in
+    the trace of a `checked` program, with no manual axes), as int32 `[items]`,
+    `[items]` and `[items, words]` arrays, computed behind one `lax.cond` for all
+    of them: on `any_fail`, or if it is `None`, on the predicates themselves.
+
+    It compiles to a few operations whatever the number of items: the failing
+    elements of the predicates of each size class (the next power of two) are
+    stacked into one matrix, padded, and counted, located and looked up for the
+    values by row. Without `any_fail` the matrices are made on every call, and
+    their `any` decides (no reduction per predicate, but the predicates laid out
+    anew: for a single device); with it, only in the branch. They hold every
+    item's elements: keep the items small."""
+    width = max(sum(_words(v.dtype) for v in item.values) for item in items)
+    classes: dict[int, list[int]] = {}
+    for i, item in enumerate(items):
+        size = int(np.prod(item.shape))
+        classes.setdefault(1 << (size - 1).bit_length(), []).append(i)
+    lengths = sorted(classes)
+    order = [i for length in lengths for i in classes[length]]
+
+    def stacked_fails(operands):
+        return [
+            _stacked(
+                [
+                    _row(~items[i].pred_fn(operands[i]), length, False)
+                    for i in classes[length]
+                ]
+            )
+            for length in lengths
+        ]
+
+    def details(inputs):
+        fails, operands, values = inputs
+        if fails is None:
+            fails = stacked_fails(operands)
+        counts, firsts, words = [], [], []
+        for length, failed in zip(lengths, fails):
+            members = classes[length]
+            picked = _stacked(
+                [_value_words(items[i], values[i], length, width) for i in members]
+            )
+            index = lax.broadcasted_iota(jnp.int32, failed.shape, 1)
+            first = jnp.min(jnp.where(failed, index, _BIG), axis=1)
+            at = jnp.minimum(first, length - 1)[:, None, None]
+            counts.append(jnp.sum(failed, axis=1, dtype=jnp.int32))
+            firsts.append(first)
+            words.append(jnp.take_along_axis(picked, at, axis=1)[:, 0])
+        out = tuple(jnp.concatenate(x) for x in (counts, firsts, words))
+        if order == sorted(order):
+            return out
+        back = np.argsort(order)  # from size classes to the items' order
+        return tuple(x[back] for x in out)
+
+    def passing(inputs):
+        del inputs
+        n = len(items)
+        return (jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32)) + (
+            jnp.zeros((n, width), jnp.int32),
+        )
+
+    operands = [item.operand for item in items]
+    values = [item.values for item in items]
+    fails = None
+    if any_fail is None:
+        fails = stacked_fails(operands)
+        any_fail = functools_reduce(jnp.logical_or, [jnp.any(f) for f in fails])
+        operands = None
+    return lax.cond(any_fail, details, passing, (fails, operands, values))
+
+
+def _stacked(rows: list) -> Any:
+    """`jnp.stack(rows)`, eight at a time behind an optimisation barrier: XLA's CPU
+    compiler fuses the operations making up to eight rows into their
+    concatenation (one kernel), but compiles a kernel per row when more are
+    concatenated at once, and a kernel costs milliseconds to compile."""
+    if len(rows) <= _FUSED:
+        return jnp.stack(rows)
+    return jnp.concatenate(
+        [
+            lax.optimization_barrier(jnp.stack(rows[i : i + _FUSED]))
+            for i in range(0, len(rows), _FUSED)
+        ]
+    )
+
+
+_FUSED = 8
+
+
+def _row(x, length: int, fill) -> Any:
+    """`x` flattened, on every device (to be stacked with others), padded with
+    `fill` to `length`."""
+    sharding = jax.typeof(x).sharding
+    if AxisType.Explicit in sharding.mesh.axis_types and any(sharding.spec):
+        x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
+    x = jnp.ravel(x)
+    return jnp.pad(x, [(0, length - x.size)], constant_values=fill)
+
+
+def _value_words(item: Item, values: list, length: int, width: int) -> Any:
+    """The values of `item` as int32 words, `[length, width]`: a row per element of
+    its predicate (padded), a column per word."""
+    words = [jnp.broadcast_to(w, item.shape) for w in _encode(values)]
+    columns = [_row(w, length, 0) for w in words]
+    columns += [jnp.zeros(length, jnp.int32)] * (width - len(columns))
+    return jnp.stack(columns, axis=1) if columns else jnp.zeros((length, 0), jnp.int32)
+
+
+def _any_failure(items: list[Item], manual: list) -> Any:
+    """Whether any item has a failing element, the same on every device.
+
+    On a mesh of several devices, each device screens its own block of each
+    operand, and a slice of it where the block is repeated on other devices (a
+    replicated operand is screened an eighth per device on 8 devices rather than
+    whole on each); one all-reduce of one integer then combines them all. On
+    Explicit axes the blocks are known when the function is traced (a `shard_map`);
+    on Auto axes, only once XLA has propagated shardings: a custom-partitioned
+    operation then screens whatever blocks XLA chose, gathering nothing. Elsewhere
+    (one device, under `vmap`, no mesh in context) each operand is screened
+    whole."""
+    screens = [_screen(item) for item in items]
+    # Only values are checked: no tangents reach the reduction.
+    operands = [lax.stop_gradient(item.operand) for item in items]
+    mesh = None if manual else _split_mesh(operands)
+    if mesh is None:
+        fails = [jnp.logical_not(s(x)) for s, x in zip(screens, operands)]
+        any_fail = functools_reduce(jnp.logical_or, fails)
+        return _all_reduce(any_fail, manual, lax.pmax) if manual else any_fail
+
+    def local(mesh, specs):
+        axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
+
+        def screened(*blocks):
+            fails = [
+                jnp.logical_not(s(_share(b, spec, axes)))
+                for s, b, spec in zip(screens, blocks, specs)
+            ]
+            any_fail = functools_reduce(jnp.logical_or, fails).astype(jnp.int32)
+            return (_all_reduce(any_fail, axes, lax.pmax) > 0,)
+
+        return screened
+
+    def whole(*operands):
+        fails = [jnp.logical_not(s(x)) for s, x in zip(screens, operands)]
+        return (functools_reduce(jnp.logical_or, fails),)
+
+    (any_fail,) = _on_blocks(mesh, local, whole, operands, 1)
+    return any_fail
+
+
+def _screen(item: Item) -> Callable:
+    if item.screen is not None:
+        return item.screen
+    return lambda x: jnp.all(item.pred_fn(x))
+
+
+def _split_mesh(operands: list) -> Any:
+    """The mesh to split the operands' screening over: theirs, if they share one of
+    several devices with no manual axes, and none is batched by `vmap`."""
+    meshes = {jax.typeof(x).sharding.mesh for x in operands}
+    if len(meshes) != 1:
+        return None
+    (mesh,) = meshes
+    if mesh.empty or mesh.size == 1 or AxisType.Manual in mesh.axis_types:
+        return None
+    if any(map(is_batched, operands)):
+        return None
+    return mesh
+
+
+def _on_blocks(mesh, local: Callable, whole: Callable, operands: list, outputs: int):
+    """`local(mesh, specs)(*blocks)` on each device's blocks of `operands`, which
+    returns `outputs` scalars that are the same on every device; `whole` computes
+    the same on whole arrays.
+
+    On Explicit axes the blocks are known at trace time: a `shard_map`. On Auto
+    axes XLA lays the operands out after tracing: a custom-partitioned operation,
+    which constrains no operand's layout (every dimension is a reduction factor) and
+    which the partitioner calls back with the layouts it chose."""
+    if set(mesh.axis_types) == {AxisType.Explicit}:
+        specs = tuple(jax.typeof(x).sharding.spec for x in operands)
+        out_specs = (PartitionSpec(),) * outputs
+        return jax.shard_map(
+            local(mesh, specs), mesh=mesh, in_specs=specs, out_specs=out_specs
+        )(*operands)
+
+    def partition(mesh, arg_shapes, result_shape):
+        del result_shape
+        shardings = tuple(s.sharding for s in arg_shapes)
+        replicated = (NamedSharding(mesh, PartitionSpec()),) * outputs
+        return mesh, local(mesh, [s.spec for s in shardings]), replicated, shardings
+
+    names = iter(f"d{i}" for i in range(sum(x.ndim for x in operands)))
+    factors = [" ".join(next(names) for _ in range(x.ndim)) for x in operands]
+    op = custom_partitioning(whole)
+    op.def_partition(
+        partition,
+        sharding_rule=", ".join(factors) + " -> " + ", ".join([""] * outputs),
+        reduction_factors=tuple(" ".join(factors).split()),
+    )
+    return op(*operands)
+
+
+def _share(block, spec, axes):
+    """This device's share of `block`: a slice of it when the devices along the mesh
+    axes `spec` does not use hold the same block."""
+    used = {a for entry in spec if entry is not None for a in _names(entry)}
+    others = [(a, n) for a, n in axes if a not in used]
+    copies = int(np.prod([n for _, n in others]))
+    if copies == 1 or block.size % copies:
+        return block
+    index = jnp.zeros((), jnp.int32)
+    for a, n in others:
+        index = index * n + lax.axis_index(a)
+    return lax.dynamic_index_in_dim(block.reshape(copies, -1), index, keepdims=False)
+
+
+def _global_index(block_shape: tuple, spec, mesh) -> Any:
+    """The row-major index in the whole array of each element of this device's
+    block (of `block_shape`), for an array laid out by `spec` on `mesh`."""
+    shape, offsets = [], []
+    entries = tuple(spec) + (None,) * (len(block_shape) - len(spec))
+    for size, entry in zip(block_shape, entries):
+        block = jnp.zeros((), jnp.int32)
+        blocks = 1
+        for a in _names(entry) if entry is not None else ():
+            block = block * mesh.shape[a] + lax.axis_index(a)
+            blocks *= mesh.shape[a]
+        shape.append(size * blocks)
+        offsets.append(block * size)
+    index, stride = jnp.zeros(block_shape, jnp.int32), 1
+    for d in reversed(range(len(block_shape))):
+        index = (
+            index
+            + (lax.broadcasted_iota(jnp.int32, block_shape, d) + offsets[d]) * stride
+        )
+        stride *= shape[d]
+    return index
+
+
+def _axes_of(spec) -> set[str]:
+    return {a for entry in spec if entry is not None for a in _names(entry)}
+
+
+def _names(entry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _details(pred_fn, operand, values, shape):
+    """`(count, first failing element, *values there)` of the predicate
+    `pred_fn(operand)`, in one pass over it (`_first_failure`). On a mesh of several
+    devices each device reduces its share of its block, as for `_any_failure`'s
+    test, and collectives of scalars combine them: nothing is gathered."""
+    if not shape:  # a scalar's first failing element is not reported
+        fail = jnp.logical_not(pred_fn(operand))
+        return (fail.astype(jnp.int32), np.int32(-1), *values)
+    # Only values are checked: no tangents reach the reduction.
+    operand = lax.stop_gradient(operand)
+    values = [lax.stop_gradient(v) for v in values]
+    operands = [operand]
+    mesh = _split_mesh(operands)
+    if mesh is None:
+        fail = jnp.logical_not(pred_fn(operand))
+        return _first_failure(fail, _flat_index(fail), values)
+    # The values laid out as the operand, so that its blocks and theirs match.
+    sharding = jax.typeof(operands[0]).sharding
+    explicit = set(mesh.axis_types) == {AxisType.Explicit}
+    arrays = [i for i, v in enumerate(values) if v.shape]
+    for i in arrays:
+        v = values[i]
+        if explicit and jax.typeof(v).sharding.spec != sharding.spec:
+            v = jax.sharding.reshard(v, sharding)
+        operands.append(v)
+
+    def local(mesh, specs):
+        axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
+        spec = specs[0]
+
+        def on_block(block, *blocks):
+            index = _share(_global_index(block.shape, spec, mesh), spec, axes)
+            fail = _share(jnp.logical_not(pred_fn(block)), spec, axes)
+            picked = list(values)
+            for i, b in zip(arrays, blocks):
+                picked[i] = _share(b, spec, axes)
+            count, first, *at = _first_failure(fail, index, picked)
+            # Each element is counted on one device: where a block is repeated
+            # and each copy was not sliced, once per distinct block.
+            used = [(a, n) for a, n in axes if a in _axes_of(spec)]
+            count = _all_reduce(
+                count, axes if fail.size < block.size else used, lax.psum
+            )
+            least = _all_reduce(first, axes, lax.pmin)
+            me = jnp.zeros((), jnp.int32)
+            for a, n in axes:
+                me = me * n + lax.axis_index(a)
+            holder = _all_reduce(jnp.where(first == least, me, _BIG), axes, lax.pmin)
+            # The values from the device holding the first failure, as words.
+            at = [
+                _from_words(
+                    [
+                        _all_reduce(jnp.where(me == holder, w, 0), axes, lax.psum)
+                        for w in _encode([v])
+                    ],
+                    v.dtype,
+                )
+                for v in at
+            ]
+            return (count, least, *at)
+
+        return on_block
+
+    def whole(operand, *arrays_):
+        fail = jnp.logical_not(pred_fn(operand))
+        picked = list(values)
+        for i, v in zip(arrays, arrays_):
+            picked[i] = v
+        return tuple(_first_failure(fail, _flat_index(fail), picked))
+
+    out = _on_blocks(mesh, local, whole, operands, 2 + len(values))
+    return tuple(out)
+
+
+def _first_failure(fail, index, values) -> tuple:
+    """`(count, first failing index, *values there)` of `fail` (booleans, true
+    where an element failed), `index` (the index to report for each element) and
+    `values` (each a scalar or of `fail`'s shape), in one variadic reduction: no
+    temporary array of `fail`'s size, which a program would hold for the branch
+    that reports failures on every call."""
+    # As int32 words: XLA refuses a reduction over several float precisions.
+    words = [_encode([v]) for v in values if v.shape]
+
+    def combine(a, b):
+        (count_a, first_a, *va), (count_b, first_b, *vb) = a, b
+        take_a = first_a <= first_b
+        picked = [lax.select(take_a, x, y) for x, y in zip(va, vb)]
+        return (count_a + count_b, jnp.minimum(first_a, first_b), *picked)
+
+    flat = [w for ws in words for w in ws]
+    operands = (fail.astype(jnp.int32), jnp.where(fail, index, _BIG), *flat)
+    inits = (np.int32(0), np.int32(_BIG)) + (np.int32(0),) * len(flat)
+    count, first, *at = lax.reduce(operands, inits, combine, tuple(range(fail.ndim)))
+    at = iter(at)
+    picked = [
+        _from_words([next(at) for _ in range(len(_encode([v])))], v.dtype)
+        if v.shape
+        else v
+        for v in values
+    ]
+    return (count, first, *picked)
+
+
+def _passing(operand, values):
+    # Inside shard_map the outputs vary over the same mesh axes as the inputs.
+    zero = _varying_like(operand, jnp.zeros((), jnp.int32))
+    return (zero, zero - 1, *(_varying_like(v, jnp.zeros((), v.dtype)) for v in values))
+
+
+def _varying_like(source, x):
+    vma = tuple(sorted(varying_axes(source)))
+    return lax.pcast(x, vma, to="varying") if vma else x
+
+
+def _flat_index(like):
+    """The row-major index of each element of `like`, laid out as `like` is."""
+    shape = like.shape
+    sharding = jax.typeof(like).sharding
+    explicit = not sharding.mesh.empty and AxisType.Explicit in sharding.mesh.axis_types
+    kwargs = {"out_sharding": sharding} if explicit else {}
+    flat = None
+    stride = 1
+    for d in reversed(range(len(shape))):
+        term = lax.broadcasted_iota(jnp.int32, shape, d, **kwargs) * stride
+        flat = term if flat is None else flat + term
+        stride *= shape[d]
+    return flat
+
+
+def _manual_axes(x) -> list[tuple[str, int]]:
+    mesh = jax.typeof(x).sharding.mesh
+    if mesh.empty:
+        return []
+    return [
+        (a, mesh.shape[a])
+        for a, t in zip(mesh.axis_names, mesh.axis_types)
+        if t == AxisType.Manual
+    ]
+
+
+def _all_reduce(x, manual, op):
+    if not manual:
+        return x
+    names = tuple(a for a, _ in manual)
+    varying = varying_axes(x) or set(names)
+    missing = tuple(a for a in names if a not in varying)
+    if missing:
+        x = lax.pcast(x, missing, to="varying")
+    return op(x, names)
+
+
+def _combine_devices(count, first, picked, manual):
+    device = jnp.zeros((), jnp.int32)
+    for a, n in manual:
+        device = device * n + lax.axis_index(a)
+    failing = jnp.where(count > 0, device, _BIG)
+    first_device = _all_reduce(failing, manual, lax.pmin)
+    mine = device == first_device
+
+    def pick(x):
+        return _all_reduce(jnp.where(mine, x, jnp.zeros((), x.dtype)), manual, lax.psum)
+
+    # Summed over the axes the predicate differs across: along the others each device
+    # holds the same elements, which count once.
+    distinct = [(a, n) for a, n in manual if a in varying_axes(count)]
+    total = _all_reduce(count, distinct, lax.psum) if distinct else count
+    total = _all_reduce(total, manual, lax.pmax)  # the same on every device
+    first_device = jnp.where(total > 0, first_device, -1).astype(jnp.int32)
+    return total, pick(first), first_device, [pick(v) for v in picked]
