@@ -337,7 +337,8 @@ def dispatch_times(mode: str, kind: str) -> dict:
     of a baseline: the CPU time of the calling thread (`time.thread_time`), which
     counts the wrapper and JAX's dispatch but neither the device's work (XLA runs it
     on threads of its own) nor waiting for it. Every 16th result is waited for, so
-    that the host does not run far ahead.
+    that the host does not run far ahead; in "raise" mode, which waits for every
+    call, every result of both.
 
     `kind` "small" is `x + 1` on 64 floats with one check, against `jax.jit` of
     `x + 1`; "mlp" is the training step of (a), against the same step without
@@ -360,12 +361,15 @@ def dispatch_times(mode: str, kind: str) -> dict:
         f, unchecked = jaxshard_step, unchecked_step
     calls = DISPATCH_CALLS if kind == "small" else DISPATCH_CALLS // 20
 
+    # "raise" mode waits for every call: then the baseline is waited for too.
+    every = 1 if mode == "raise" else 16
+
     def per_call(fn):
         def run() -> float:
             start = time.thread_time()
             for i in range(calls):
                 y = fn(*args)
-                if i % 16 == 0:
+                if i % every == 0:
                     jax.block_until_ready(y)
             jax.block_until_ready(y)
             return (time.thread_time() - start) / calls

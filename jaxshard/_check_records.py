@@ -72,7 +72,9 @@ class Scope:
         # trace's rows begin.
         self._accumulated: Any = None
         self._rows: dict["Frame", tuple[int, int]] = {}
-        self._width = STATE_SIZE + 2
+        # Its shape, which changes only when a trace does not fit (each shape is
+        # part of the programs' cache keys).
+        self._shape = (16, STATE_SIZE + 2)
 
     def next_call(self) -> int:
         if self._generation != _generation[0]:
@@ -120,33 +122,27 @@ class Scope:
         the traces before it. Raises `_Grow` if they do not fit."""
         if frame not in self._rows:
             start = 1 + sum(n for _, n in self._rows.values())
+            if start + rows > shape[0] or width > shape[1]:
+                raise _Grow(start + rows, width)
             self._rows[frame] = (start, rows)
-        start, _ = self._rows[frame]
-        if start + rows > shape[0] or width > shape[1]:
-            raise _Grow(start + rows, width)
-        return start
+        return self._rows[frame][0]
 
     def abstract_states(self) -> Any:
         """The shape of the accumulated states the next call would be given."""
-        rows = max(16, 1 + sum(n for _, n in self._rows.values()))
-        if self._accumulated is not None:
-            rows = self._accumulated.shape[0]
-        return jax.ShapeDtypeStruct((rows, self._width), np.int32)
+        return jax.ShapeDtypeStruct(self._shape, np.int32)
 
     def _fresh(self, args: tuple, kwargs: dict) -> Any:
-        """Zero states for the rows placed so far (or a few), where the call's
-        program runs."""
-        rows = max(16, 1 + sum(n for _, n in self._rows.values()))
-        zeros = np.zeros((rows, self._width), np.int32)
+        """Zero states, where the call's program runs."""
+        zeros = np.zeros(self._shape, np.int32)
         return jax.device_put(zeros, _placement(args, kwargs))
 
     def _grow(self, accumulated: Any, grow: "_Grow") -> None:
         """Room for `grow`'s rows and width, twice what is needed, with the states
         so far (a read and a copy: when a new trace does not fit)."""
-        self._width = max(self._width, grow.width)
         old = np.asarray(accumulated)
         rows = old.shape[0] if grow.rows <= old.shape[0] else 2 * grow.rows
-        new = np.zeros((rows, self._width), np.int32)
+        self._shape = (rows, max(old.shape[1], grow.width))
+        new = np.zeros(self._shape, np.int32)
         new[: old.shape[0], : old.shape[1]] = old
         self._accumulated = jax.device_put(new, accumulated.sharding)
 

@@ -441,6 +441,28 @@ def test_checked_jit_runs_through_jits_fast_path(monkeypatch):
     assert [name for name in ran if "canary" not in name] == [], ran
 
 
+def test_deferred_blocks_trace_once():
+    """Flushing starts the accumulated states anew without changing their shape:
+    later blocks run the program traced and compiled for the first."""
+    traces = []
+
+    @jaxshard.checked
+    @jax.jit
+    def f(x):
+        traces.append(None)
+        jaxshard.check(x < 3, "big {x}", x=x)
+        return x + 1
+
+    for block in range(3):
+        with pytest.raises(jaxshard.CheckError) as e:
+            with jaxshard.deferred_checks():
+                for i in range(5):
+                    f(jnp.float32(5 if i == block else 0))
+        ((failure),) = e.value.failures
+        assert failure.call == block and failure.calls == 1
+    assert len(traces) == 1
+
+
 def test_deferred_states_grow_and_follow_the_devices():
     """The accumulated states of a deferred function make room for each new trace's
     checks (a thousand here), keep what earlier traces found, and follow the
