@@ -1,10 +1,11 @@
 """The one place that knows how to run things: `nox -s tests`, `demo`, `examples`,
-`bench`, `docs`, `lint`."""
+`torchax`, `bench`, `docs`, `lint`."""
 
 import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import nox
 
@@ -18,6 +19,8 @@ EIGHT_CPU_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 # later need Python 3.12 or newer. pyproject.toml states the same range.
 MATRIX = [("3.11", "0.10.2"), ("3.12", "0.11.2"), ("3.13", "0.12.0.1")]
 NEWEST = MATRIX[-1]
+# torchax 0.0.14 needs torch 2.13, whose CPU build installs on Python 3.11 here.
+TORCHAX = MATRIX[0]
 
 
 def _pyenv_pythons() -> None:
@@ -61,11 +64,14 @@ def tests(session, jax):
     A pair whose Python is missing is skipped, and nox's summary names it; in CI
     (`CI` set) it is an error.
     """
-    _install(session, jax, "test,tpu")
+    env = {"JAX_PLATFORMS": "cpu"}
+    if session.python == TORCHAX[0]:
+        _install(session, jax, "test,tpu,torchax")
+        env["JAXSHARD_REQUIRE_TORCHAX"] = "1"  # tests/test_torchax.py may not skip
+    else:
+        _install(session, jax, "test,tpu")
     # The docs' own code runs in `nox -s docs`, once.
-    session.run(
-        "pytest", "-m", "not docs", *session.posargs, env={"JAX_PLATFORMS": "cpu"}
-    )
+    session.run("pytest", "-m", "not docs", *session.posargs, env=env)
 
 
 # The demo and the examples run on whichever Python runs nox, with the newest tested jax
@@ -90,6 +96,14 @@ def examples(session):
     session.run("python", "examples/transformer.py", env=env)
     session.run("python", "examples/transformer.py", "--explicit", env=env)
     session.run("python", "examples/logical.py", env=env)
+
+
+@nox.session(python=TORCHAX[0])
+def torchax(session):
+    """A PyTorch MLP under torchax on 8 simulated devices: its sharding contracts
+    checked eagerly, compiled and by `verify`, and a mis-sharded weight caught."""
+    session.install("-e", ".[torchax]", f"jax=={TORCHAX[1]}", f"jaxlib=={TORCHAX[1]}")
+    session.run("python", "examples/torchax_mlp.py", env={"JAX_PLATFORMS": "cpu"})
 
 
 @nox.session
@@ -137,6 +151,8 @@ def lint(session):
     session.run("ruff", "check", *paths)
     session.run("ruff", "format", "--check", *paths)
     session.install("-e", ".", "mypy", "pyright", "equinox", "flax")
-    typed = ["examples", "tests/static_types.py"]
+    # Not the torchax example: torch is a large install, for the Python 3.11 leg only.
+    typed = [str(p) for p in sorted(Path("examples").glob("*.py"))]
+    typed = [p for p in typed if "torchax" not in p] + ["tests/static_types.py"]
     session.run("mypy", "--ignore-missing-imports", *typed)
     session.run("pyright", *typed)

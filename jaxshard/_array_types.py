@@ -15,7 +15,7 @@ import jax
 import jaxtyping
 from jax.sharding import PartitionSpec
 
-from . import _decorator, _dims, _sharding
+from . import _decorator, _dims, _sharding, _torch
 from ._errors import AnnotationError
 from ._jax_internals import (
     ArrayMeta,
@@ -42,7 +42,7 @@ class _MetaShardedArray(ArrayMeta):
     spec: PartitionSpec
 
     def __instancecheck_str__(cls, obj: Any) -> str:
-        if isinstance(obj, jax.core.Tracer):
+        if isinstance(_torch.jax_value(obj), jax.core.Tracer):
             # Checking a tracer may leave a probe in the program: only once the
             # dtype and shape are known to be right.
             snapshot = save_dim_memo()
@@ -72,8 +72,9 @@ class _MetaShardedArray(ArrayMeta):
 
     def _check_shape(cls, obj, single_memo, variadic_memo, arg_memo) -> str:
         shape = None
-        if isinstance(obj, jax.core.Tracer):
-            shape = _sharding.global_shape(cls.spec, obj)
+        value = _torch.jax_value(obj)
+        if isinstance(value, jax.core.Tracer):
+            shape = _sharding.global_shape(cls.spec, value)
         if shape is None or shape == tuple(obj.shape):
             return ArrayMeta._check_shape(
                 cls, obj, single_memo, variadic_memo, arg_memo

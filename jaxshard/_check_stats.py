@@ -330,7 +330,9 @@ def _details(pred_fn, operand, values, shape):
     if mesh is None:
         fail = jnp.logical_not(pred_fn(operand))
         return _first_failure(fail, _flat_index(fail), values)
-    # The values laid out as the operand, so that its blocks and theirs match.
+    # The array values laid out as the operand, so that its blocks and theirs match;
+    # scalars do not enter the per-device computation (they are the same
+    # everywhere, and a custom-partitioned one may close over no tracer).
     sharding = jax.typeof(operands[0]).sharding
     explicit = set(mesh.axis_types) == {AxisType.Explicit}
     arrays = [i for i, v in enumerate(values) if v.shape]
@@ -347,9 +349,7 @@ def _details(pred_fn, operand, values, shape):
         def on_block(block, *blocks):
             index = _share(_global_index(block.shape, spec, mesh), spec, axes)
             fail = _share(jnp.logical_not(pred_fn(block)), spec, axes)
-            picked = list(values)
-            for i, b in zip(arrays, blocks):
-                picked[i] = _share(b, spec, axes)
+            picked = [_share(b, spec, axes) for b in blocks]
             count, first, *at = _first_failure(fail, index, picked)
             # Each element is counted on one device: where a block is repeated
             # and each copy was not sliced, once per distinct block.
@@ -379,13 +379,13 @@ def _details(pred_fn, operand, values, shape):
 
     def whole(operand, *arrays_):
         fail = jnp.logical_not(pred_fn(operand))
-        picked = list(values)
-        for i, v in zip(arrays, arrays_):
-            picked[i] = v
-        return tuple(_first_failure(fail, _flat_index(fail), picked))
+        return tuple(_first_failure(fail, _flat_index(fail), list(arrays_)))
 
-    out = _on_blocks(mesh, local, whole, operands, 2 + len(values))
-    return tuple(out)
+    count, first, *at = _on_blocks(mesh, local, whole, operands, 2 + len(arrays))
+    picked = list(values)
+    for i, v in zip(arrays, at):
+        picked[i] = v
+    return (count, first, *picked)
 
 
 def _first_failure(fail, index, values) -> tuple:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
-from . import _config
+from . import _config, _torch
 from ._check_frames import _compiled, _frames, Frame
 from ._check_records import _fallback, _generation, _record, Scope
 from ._check_sites import _format, CheckError, Failure, Site
@@ -107,7 +107,8 @@ def checked(fn: Callable) -> Callable:
         ```
     """
     expect_callable("checked", fn)
-    scope = Scope(getattr(fn, "__qualname__", repr(fn)))
+    named = _torch.compiled_function(fn) or fn  # torchax.compile(f): f
+    scope = Scope(getattr(named, "__qualname__", repr(named)))
     compiled = _compiled(fn, scope)
 
     @ft.wraps(fn)
@@ -219,6 +220,8 @@ def check(pred: Any, msg: str, /, **values: Any) -> None:
     """
     __tracebackhide__ = True
     expect(_is_array_like(pred), "check", "pred", "a boolean scalar or array", pred)
+    pred = _jax_value("check", "pred", pred)
+    values = {k: _jax_value("check", k, v) for k, v in values.items()}
     _check(pred, msg, values)
 
 
@@ -420,6 +423,20 @@ def _broadcast(name: str, value: Any, pred) -> Any:
 # --- ready-made checks ----------------------------------------------------------------
 
 
+def _jax_value(function: str, name: str, x: Any) -> Any:
+    """`x`, or the jax.Array behind it if it is a tensor on torchax's 'jax'
+    device; a torch tensor elsewhere is refused."""
+    value = _torch.jax_value(x)
+    if value is None:
+        raise TypeError(
+            f"jaxshard.{function}: {name} is a torch.Tensor on device "
+            f"{str(x.device)!r}; checks run on JAX's devices. Put it on torchax's "
+            "'jax' device (`t.to('jax')` inside `with torchax.default_env():`), or "
+            "check it inside `torchax.compile`."
+        )
+    return value
+
+
 def _is_array_like(x: Any) -> bool:
     """An array, a tracer, or a Python or NumPy number: what JAX takes as an array."""
     if isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
@@ -453,6 +470,7 @@ def check_finite(tree: Any, name: str | None = None) -> None:
     name = "tree" if name is None else name
     entries = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        leaf = _jax_value("check_finite", name + jax.tree_util.keystr(path), leaf)
         expect(
             _is_array_like(leaf),
             "check_finite",
@@ -500,6 +518,9 @@ def check_range(
     """
     if lo is None and hi is None:
         raise ValueError("jaxshard.check_range: give `lo`, `hi` or both.")
+    x = _jax_value("check_range", "x", x)
+    lo = lo if lo is None else _jax_value("check_range", "lo", lo)
+    hi = hi if hi is None else _jax_value("check_range", "hi", hi)
     for parameter, value in (("x", x), ("lo", lo), ("hi", hi)):
         if parameter == "x" or value is not None:
             expect(
@@ -528,13 +549,27 @@ def check_range(
         bounds["lo"] = lo
     if hi is not None:
         bounds["hi"] = hi
+    message = f"{name} {{x}} is outside [{lo_text}, {hi_text}]"
+    if not all(map(_is_number, bounds.values())):
+        # Array or traced bounds: the predicate is computed here, where they are,
+        # not again on each device's block of `x`.
+        _check(within(x), message, {"x": x, **bounds})
+        return
     _check(
         None,
-        f"{name} {{x}} is outside [{lo_text}, {hi_text}]",
+        message,
         {"x": x, **bounds},
         pred_fn=within,
         operand=x,
         screen=_within_screen(x, lo, hi),
+    )
+
+
+def _is_number(x: Any) -> bool:
+    """A Python or NumPy number: a constant that any block of an array can be
+    compared with."""
+    return isinstance(x, (int, float, np.generic)) or (
+        isinstance(x, np.ndarray) and x.ndim == 0
     )
 
 
@@ -543,8 +578,6 @@ def _within_screen(x, lo, hi) -> Callable | None:
     `max(x) <= hi`: reductions that vectorise, where the boolean one does not. (Not
     for floating point, where a NaN need not survive `min`.)"""
     if not jnp.issubdtype(x.dtype, jnp.integer) or x.size == 0:
-        return None
-    if any(jnp.ndim(b) for b in (lo, hi) if b is not None):
         return None
 
     def screen(x):

@@ -20,7 +20,7 @@ import jax
 import jax.monitoring
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from . import _config
+from . import _config, _torch
 from ._errors import AnnotationError, ShardingError
 from ._jax_internals import (
     bind_probe,
@@ -192,8 +192,11 @@ def check(annotation, obj: Any) -> str:
         spec = annotation.spec
     except AnnotationError as e:  # logical names the rules cannot resolve
         return str(e)
+    named, obj = obj, _torch.jax_value(obj)  # a torchax tensor: its jax.Array
+    if obj is None:
+        return _torch.elsewhere(named, format_spec(spec))
     if isinstance(obj, jax.core.Tracer):
-        return _check_traced(annotation, obj)
+        return _check_traced(annotation, obj, named)
     if not isinstance(obj, jax.Array):
         return (
             f"this value is a {type(obj).__module__}.{type(obj).__qualname__}, which "
@@ -229,20 +232,23 @@ def _with_rules(reason: str, annotation: Any) -> str:
     return f"{reason.rstrip('.')}; {annotation.explain()}."
 
 
-def _check_traced(annotation, x) -> str:
+def _check_traced(annotation, x, named: Any = None) -> str:
+    """The check of the tracer `x`; `named` is the value messages name (the
+    torchax tensor around `x`, or `x`)."""
+    named = x if named is None else named
     aval = jax.typeof(x)
     mesh = aval.sharding.mesh
     if not mesh.empty:
         types = set(mesh.axis_types)
         if AxisType.Manual in types:
             reason = _check_manual(annotation.spec, aval, mesh, is_batched(x))
-            return _verdict(annotation, x, aval, _with_rules(reason, annotation))
+            return _verdict(annotation, named, aval, _with_rules(reason, annotation))
         if types == {AxisType.Explicit}:
             reason = compare(annotation.spec, aval.sharding, aval.shape, aval.dtype)
             if reason:
                 reason = _phrase(describe_array(aval.dtype, aval.shape), reason)
-            return _verdict(annotation, x, aval, _with_rules(reason, annotation))
-    _add_probe(annotation, x, aval)
+            return _verdict(annotation, named, aval, _with_rules(reason, annotation))
+    _add_probe(annotation, x, aval, named)
     return ""
 
 
@@ -430,8 +436,8 @@ def _site(annotation, x, aval, recorder=None) -> Site:
     )
 
 
-def _add_probe(annotation, x, aval) -> None:
-    site = _site(annotation, x, aval, _config.current().recorder)
+def _add_probe(annotation, x, aval, named: Any) -> None:
+    site = _site(annotation, named, aval, _config.current().recorder)
     bind_probe(x, ft.partial(_on_sharding, site))
 
 

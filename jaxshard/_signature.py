@@ -29,6 +29,10 @@ from ._logical import active_rules, normalise, using
 
 _union_types = (typing.Union, type(int | str))
 _open_containers = (list, dict, set, frozenset, Sequence, Mapping)
+_POSITIONAL = (
+    inspect.Parameter.POSITIONAL_ONLY,
+    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+)
 
 
 class OpenStructure(Exception):
@@ -38,8 +42,10 @@ class OpenStructure(Exception):
 
 def signature(fn: Callable) -> tuple[inspect.Signature, dict[str, Any]]:
     """`fn`'s signature and its resolved annotations (of the function inside a
-    `jax.jit` or a `functools.wraps` wrapper)."""
-    target = inspect.unwrap(fn)
+    `jax.jit` or a `functools.wraps` wrapper; of a bound method, without its first
+    parameter)."""
+    bound = inspect.ismethod(fn)
+    target = inspect.unwrap(fn.__func__ if bound else fn)
     sig = inspect.signature(target)
     try:
         hints = typing.get_type_hints(target, include_extras=True)
@@ -51,6 +57,10 @@ def signature(fn: Callable) -> tuple[inspect.Signature, dict[str, Any]]:
         }
         if sig.return_annotation is not sig.empty:
             hints["return"] = sig.return_annotation
+    parameters = list(sig.parameters.values())
+    if bound and parameters and parameters[0].kind in _POSITIONAL:
+        sig = sig.replace(parameters=parameters[1:])  # `self`, bound already
+        hints.pop(parameters[0].name, None)
     return sig, hints
 
 

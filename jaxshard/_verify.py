@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from . import _config
+from . import _config, _torch
 from ._abstract import _bound_inputs
 from ._array_types import partition_spec
 from ._check_tree import check_partitioning, Partitioned
@@ -52,7 +52,7 @@ from ._sharding import (
     naming,
     Site,
 )
-from ._signature import _name, _tree, signature
+from ._signature import _name, _POSITIONAL, _tree, signature
 from ._snapshot import load as load_snapshot
 from ._spec import fill_unconstrained, sharded_type
 
@@ -221,19 +221,28 @@ def verify(
     _check_tolerance(tolerance)
     # Read first: a missing or wrong file fails before anything is compiled.
     golden = None if against is None else load_snapshot(against)
+    module = fn if _torch.is_compiled_module(fn) else None
+    if module is not None:  # torchax.compile(module): its forward, and its weights
+        fn = module._model.forward
     name = _name(fn)
     what = f"jaxshard.verify({name})"
     bound = _bound_inputs(fn, mesh, dims, dtypes, values, what)
-    sig = inspect.signature(inspect.unwrap(fn))
+    sig, hints = signature(fn)
     traced = {k: v for k, v in bound.items() if _is_input(v)}
     static = {k: v for k, v in bound.items() if k not in traced}
-    checked = checked_by_jaxshard(fn)
-    _, hints = signature(fn)
-    target = inspect.unwrap(fn)
+    target = inspect.unwrap(getattr(fn, "__func__", fn))
     qualname = function_name(target)
+    if module is None:
+        checked = checked_by_jaxshard(fn)
+    else:
+        # The weights are inputs too, laid out on `mesh` as they are now.
+        traced["self"] = _torch.abstract_weights(module, mesh, what)
+        checked = _torch.module_call(module, checked_by_jaxshard(fn.__func__))
 
     def program(inputs):
         given = {**static, **inputs}
+        if module is not None:
+            given = _torch.from_jax(given)
         args, kwargs = [], {}
         order = list(sig.parameters)
         for p in sig.parameters.values():
@@ -251,9 +260,11 @@ def verify(
                 kwargs[p.name] = given[p.name]
         for p, value in given.items():
             _check_leaves(qualname, p, hints.get(p), value)
+        if module is not None:
+            args.insert(0, given["self"])
         out = checked(*args, **kwargs)
         _check_leaves(qualname, "return", hints.get("return"), out)
-        return out
+        return out if module is None else _torch.to_jax(out)
 
     program.__name__ = program.__qualname__ = name.rsplit(".", 1)[-1]
     recorder = Recorder(qualname)
@@ -326,12 +337,6 @@ def _sharding_type_error(name: str, mesh: Mesh, error: Exception) -> str:
         'on Auto axes (`jaxshard.tpu_mesh(..., axis_types="auto")`, the default; '
         "`--axis-types auto`), where XLA chooses."
     )
-
-
-_POSITIONAL = (
-    inspect.Parameter.POSITIONAL_ONLY,
-    inspect.Parameter.POSITIONAL_OR_KEYWORD,
-)
 
 
 class _Leaf:

@@ -16,6 +16,7 @@ from hypothesis.errors import InvalidArgument
 from hypothesis.extra import numpy as hnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from . import _torch
 from ._array_types import partition_spec
 from ._dims import Dim, dimensions, shape
 from ._errors import AnnotationError
@@ -44,7 +45,8 @@ def arrays(
     max_size: int = 8,
     rules: Any = None,
 ) -> st.SearchStrategy[jax.Array]:
-    """Draws `jax.Array`s whose dtype, shape and sharding satisfy `annotation`.
+    """Draws `jax.Array`s whose dtype, shape and sharding satisfy `annotation`
+    (torchax tensors on the 'jax' device for a `torch.Tensor` annotation).
 
     The dtype is one the annotation allows, among bool, (u)int8-64, float16, bfloat16,
     float32, float64, complex64 and complex128 (64-bit ones need `jax_enable_x64`).
@@ -198,7 +200,10 @@ def _arrays(draw, annotation, sharding, shards, dtypes, dims, elements, sizes):
         finite = {"allow_nan": False, "allow_infinity": False}
         elements = hnp.from_dtype(drawn, **finite, **_BOUNDS[drawn.kind])
     x = draw(hnp.arrays(drawn, shape_, elements=elements))
-    return jax.device_put(x.astype(dtype), sharding)
+    array = jax.device_put(x.astype(dtype), sharding)
+    if _torch.is_tensor_type(annotation.array_type):
+        return _torch.from_jax(array)
+    return array
 
 
 def meshes(

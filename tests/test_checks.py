@@ -817,6 +817,34 @@ def test_check_range():
         jaxshard.check_range(jnp.ones(2))
 
 
+def test_check_range_with_traced_bounds_on_sharded_arrays(mesh):
+    """Bounds computed in the program, scalars or arrays laid out as `x`, on the
+    blocks of a sharded `x`: each device compares its block with the bounds of that
+    block."""
+
+    @jaxshard.checked
+    @jax.jit
+    def f(x, lo, bounds):
+        jaxshard.check_range(x, lo=lo, name="x")
+        jaxshard.check_range(x, lo=bounds[0], hi=bounds[1], name="y")
+        return x
+
+    sharding = NamedSharding(mesh, P("dp", "tp"))
+    x = jax.device_put(jnp.arange(32.0).reshape(8, 4), sharding)
+    lo = np.zeros((8, 4), np.float32)
+    high = jax.device_put(lo.copy(), sharding)
+    lo[5, 2] = 100.0
+    lo = jax.device_put(lo, sharding)
+    with jax.set_mesh(mesh):
+        f(x, high, jnp.array([0.0, 31.0]))
+        (found,) = failures(f, x, lo, jnp.array([0.0, 31.0]))
+        assert found.message == "x 22.0 is outside [100.0, inf]"
+        assert found.element == (5, 2) and found.count == 1
+        (found,) = failures(f, x, high, jnp.array([3.0, 30.0]))
+        assert found.message == "y 0.0 is outside [3.0, 30.0]"
+        assert found.element == (0, 0) and found.count == 4
+
+
 # --- many checks ----------------------------------------------------------------------
 
 

@@ -1,0 +1,328 @@
+"""Sharding contracts on PyTorch tensors on torchax's 'jax' device: eagerly, inside
+`torchax.compile` (of a function and of a module) and `torchax.interop.jax_jit`, in
+value checks, strategies and `verify`."""
+
+import os
+import subprocess
+import sys
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from beartype import beartype
+from helpers import hlo_ops
+from hypothesis import given, settings
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxshard
+from jaxshard import BFloat16, Bool, Float, Int, Num, Shaped, strategies as js
+
+
+# The Python 3.11 leg of the test matrix installs torch 2.13 (CPU) and torchax, and
+# sets this: there a missing torchax is a failure, not a skip.
+if os.environ.get("JAXSHARD_REQUIRE_TORCHAX"):
+    import torch
+    import torchax
+else:
+    _reason = (
+        "torchax is not installed: the torchax tests run in the Python 3.11 leg of "
+        "`nox -s tests`, which installs torch==2.13.0 (CPU) and torchax"
+    )
+    torch = pytest.importorskip("torch", reason=_reason)
+    torchax = pytest.importorskip("torchax", reason=_reason)
+import torchax.interop  # noqa: E402
+
+
+Tensor = torch.Tensor
+
+
+@pytest.fixture(autouse=True)
+def fresh_prng_key():
+    """torchax threads its PRNG key through every compiled call, which commits it to
+    that call's mesh: give each test an uncommitted one."""
+    torchax.default_env().prng_key = jax.random.key(0)
+
+
+def on(mesh, x, spec):
+    """`x` as a torchax tensor laid out by `spec` on `mesh`."""
+    array = jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+    return torchax.default_env().j2t_iso(array)
+
+
+def explicit(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(names))
+
+
+def auto(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+X = Float[Tensor, "b d", P("dp", "tp")]
+
+
+@jaxshard.jaxtyped(typechecker=beartype)
+def scale(x: X) -> X:
+    return x * 2
+
+
+# --- eagerly ------------------------------------------------------------------------
+
+
+DTYPES = [
+    (Float, np.float32),
+    (Float, np.float16),
+    (BFloat16, jnp.bfloat16),
+    (Int, np.int32),
+    (Int, np.int8),
+    (Bool, np.bool_),
+    (Num, np.int64),
+    (Shaped, np.float32),
+]
+
+
+@pytest.mark.parametrize("dtype,np_dtype", DTYPES)
+def test_eager_every_dtype(dtype, np_dtype, mesh):
+    annotation = dtype[Tensor, "b d", P("dp", "tp")]
+    value = np.ones((8, 4), dtype=np.float32).astype(np_dtype)
+    good = on(mesh, value, P("dp", "tp"))
+    assert isinstance(good, torch.Tensor) and isinstance(good, annotation)
+    assert not isinstance(on(mesh, value, P("tp", "dp")), annotation)
+    assert not isinstance(on(mesh, value, P()), annotation)
+
+
+def reasons(error: Exception) -> list[str]:
+    """The reasons under "Sharding:" in a ShardingError, without the function."""
+    lines = str(error).split("Sharding:\n", 1)[1].splitlines()
+    return [x.split("': ", 1)[1] for x in lines if x.startswith("- ")]
+
+
+def test_eager_message_is_the_same_as_for_jax_arrays(mesh):
+    array = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P(None, "tp")))
+
+    @jaxshard.jaxtyped(typechecker=beartype)
+    def f(x: Float[jax.Array, "b d", P("dp", "tp")]) -> None:
+        pass
+
+    with pytest.raises(jaxshard.ShardingError) as for_jax:
+        f(array)
+    with pytest.raises(jaxshard.ShardingError) as for_torch:
+        scale(torchax.default_env().j2t_iso(array))
+    assert reasons(for_torch.value) == reasons(for_jax.value)
+    assert "P(None, 'tp')" in reasons(for_torch.value)[0]
+
+
+def test_eager_compact_syntax(mesh):
+    @jaxshard.jaxtyped(typechecker=beartype)
+    def f(x: Float[Tensor, "[b/dp] [d/tp]"]) -> Float[Tensor, "b d"]:
+        return x + 1
+
+    with torchax.default_env():
+        out = f(on(mesh, np.zeros((8, 4), np.float32), P("dp", "tp")))
+        assert isinstance(out, torch.Tensor)
+        with pytest.raises(jaxshard.ShardingError, match="expects P\\('dp', 'tp'\\)"):
+            f(on(mesh, np.zeros((8, 4), np.float32), P(None, "tp")))
+
+
+def test_eager_shape_and_dtype_are_torch_s(mesh):
+    good = on(mesh, np.zeros((8, 4), np.float32), P("dp", "tp"))
+    with torchax.default_env():
+        as_int = good.to(torch.int32)
+    assert as_int.dtype == torch.int32
+    with pytest.raises(jaxshard.TypeCheckError, match="dtype|Float"):
+        scale(as_int)
+    with pytest.raises(jaxshard.TypeCheckError):
+        scale(on(mesh, np.zeros((8,), np.float32), P("dp")))
+
+
+def test_views():
+    """A slice is a `torchax.view.View`: its sharding is that of the array its
+    `.jax()` computes."""
+    mesh = auto((4, 2), ("dp", "tp"))  # JAX asks Explicit slices for a sharding
+    t = on(mesh, np.arange(64, dtype=np.float32).reshape(16, 4), P("dp", "tp"))
+    with torchax.default_env():
+        view = t[:8]
+    assert not isinstance(view, type(t))
+    sharding = view.jax().sharding
+    assert isinstance(sharding, NamedSharding)
+    assert isinstance(view, Float[Tensor, "8 4", sharding.spec])
+    other = P("tp", "dp")
+    assert not sharding.is_equivalent_to(NamedSharding(mesh, other), 2)
+    assert not isinstance(view, Float[Tensor, "8 4", other])
+    assert not isinstance(view, Float[Tensor, "16 4", sharding.spec])
+
+
+def test_cpu_tensor_says_how_to_move_it():
+    with pytest.raises(jaxshard.ShardingError) as e:
+        scale(torch.zeros(8, 4))
+    message = str(e.value)
+    assert "'cpu'" in message and "torchax's 'jax' device" in message
+    assert "j2t_iso(jax.device_put(" in message and "apply_jax" in message
+
+
+def test_cpu_tensor_without_spec_is_jaxtyping_s():
+    @jaxshard.jaxtyped(typechecker=beartype)
+    def f(x: Float[Tensor, "b d"]) -> Float[Tensor, "b d"]:
+        return x
+
+    f(torch.zeros(8, 4))
+
+
+# --- compiled -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compile", ["compile", "jax_jit"])
+def test_inside_compiled_function_explicit_at_trace_time(compile):
+    mesh = explicit((4, 2), ("dp", "tp"))
+    wrap = torchax.compile if compile == "compile" else torchax.interop.jax_jit
+    traced = []
+
+    def f(x: X) -> X:
+        traced.append(type(x))
+        return scale(x)
+
+    with jax.set_mesh(mesh):
+        out = wrap(f)(on(mesh, np.ones((8, 4), np.float32), P("dp", "tp")))
+        assert isinstance(out, torch.Tensor)
+        assert out.jax().sharding.spec == P("dp", "tp")
+        with pytest.raises(jaxshard.ShardingError, match=r"P\(None, 'tp'\)") as e:
+            wrap(f)(on(mesh, np.ones((8, 4), np.float32), P(None, "tp")))
+    assert "jit" not in str(e.value).lower() or "at trace time" not in str(e.value)
+    assert len(traced) == 2
+
+
+@pytest.mark.parametrize("compile", ["compile", "jax_jit"])
+def test_inside_compiled_function_auto_at_compile_time(compile):
+    mesh = auto((4, 2), ("dp", "tp"))
+    wrap = torchax.compile if compile == "compile" else torchax.interop.jax_jit
+    with jax.set_mesh(mesh):
+        out = wrap(scale)(on(mesh, np.ones((8, 4), np.float32), P("dp", "tp")))
+        np.testing.assert_array_equal(np.asarray(out.jax()), 2)
+        with pytest.raises(jaxshard.ShardingError, match=r"compil"):
+            wrap(scale)(on(mesh, np.ones((8, 4), np.float32), P(None, "tp")))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(4, 16)
+        self.down = torch.nn.Linear(16, 4)
+
+    @jaxshard.jaxtyped(typechecker=beartype)
+    def forward(
+        self, x: Float[Tensor, "b d", P("dp", None)]
+    ) -> Float[Tensor, "b d", P("dp", None)]:
+        return self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("make", [explicit, auto])
+def test_compiled_module(make):
+    mesh = make((4, 2), ("dp", "tp"))
+    with torchax.default_env(), jax.set_mesh(mesh):
+        model = MLP().to("jax")
+        compiled = torchax.compile(model)
+        out = compiled(on(mesh, np.ones((8, 4), np.float32), P("dp", None)))
+        assert tuple(out.shape) == (8, 4)
+        with pytest.raises(jaxshard.ShardingError, match=r"P\('dp', None\)"):
+            compiled(on(mesh, np.ones((8, 4), np.float32), P(None, "dp")))
+
+
+def test_compiled_program_is_unchanged(mesh):
+    def plain(x):
+        return x * 2
+
+    with jax.set_mesh(mesh):
+        x = on(mesh, np.ones((8, 4), np.float32), P("dp", "tp")).jax()
+        texts = [
+            jax.jit(torchax.interop.jax_view(f)).lower(x).compile().as_text()
+            for f in (plain, scale)
+        ]
+    assert hlo_ops(texts[0]) == hlo_ops(texts[1])
+
+
+def test_shardings_feed_jax_jit():
+    mesh = auto((4, 2), ("dp", "tp"))
+
+    @jaxshard.jaxtyped(typechecker=beartype)
+    def f(x: X) -> Float[Tensor, "b d", P(None, "dp")]:
+        return x + 1
+
+    ins, out = jaxshard.shardings(f, mesh)
+    jitted = torchax.interop.jax_jit(
+        f, kwargs_for_jax_jit={"in_shardings": ins, "out_shardings": out}
+    )
+    with jax.set_mesh(mesh):
+        y = jitted(on(mesh, np.ones((8, 4), np.float32), P("dp", "tp")))
+        np.testing.assert_array_equal(np.asarray(y.jax()), 2)
+    assert y.jax().sharding.is_equivalent_to(NamedSharding(mesh, P(None, "dp")), 2)
+    unjitted = torchax.interop.jax_jit(f)
+    with jax.set_mesh(mesh), pytest.raises(jaxshard.ShardingError, match="return"):
+        unjitted(on(mesh, np.ones((8, 4), np.float32), P("dp", "tp")))
+
+
+# --- value checks -------------------------------------------------------------------
+
+
+def test_checks_on_torchax_tensors(mesh):
+    def f(x):
+        jaxshard.check(x.sum() > 0, "sum {s} not positive", s=x.sum())
+        jaxshard.check_finite(x, "x")
+        jaxshard.check_range(x, lo=0.0)
+        return x * 2
+
+    step = jaxshard.checked(torchax.compile(f))
+    with jax.set_mesh(mesh):
+        step(on(mesh, np.ones((8, 4), np.float32), P("dp", "tp")))
+        bad = np.ones((8, 4), np.float32)
+        bad[3, 1] = np.nan
+        with pytest.raises(jaxshard.CheckError) as e:
+            step(on(mesh, bad, P("dp", "tp")))
+    message = str(e.value)
+    assert message.startswith("3 checks failed in test_checks_on_torchax_tensors")
+    assert (
+        "sum 0.0 not positive" not in message and "first at element [3, 1]" in message
+    )
+
+
+def test_check_refuses_a_cpu_tensor():
+    with pytest.raises(TypeError, match="'jax' device"):
+        jaxshard.check_finite(torch.zeros(3))
+
+
+# --- strategies ---------------------------------------------------------------------
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_strategies_draw_sharded_tensors(data):
+    mesh = data.draw(js.meshes())
+    spec = data.draw(js.partition_specs(2, mesh))
+    annotation = Float[Tensor, "b d", spec]
+    t = data.draw(js.arrays(annotation, mesh))
+    assert isinstance(t, torch.Tensor) and isinstance(t, annotation)
+    assert t.jax().sharding.is_equivalent_to(NamedSharding(mesh, spec), 2)
+
+
+# --- verify -------------------------------------------------------------------------
+
+
+def test_verify_compiled_module():
+    mesh = explicit((4, 2), ("dp", "tp"))
+    with torchax.default_env():
+        compiled = torchax.compile(MLP().to("jax"))
+    report = jaxshard.verify(compiled, mesh=mesh, dims={"b": 8, "d": 4})
+    assert report.ok
+
+
+# --- cost ---------------------------------------------------------------------------
+
+
+def test_import_jaxshard_imports_no_torch():
+    code = (
+        "import sys, jaxshard; print('torch' in sys.modules, 'torchax' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["False", "False"]
