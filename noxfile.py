@@ -115,9 +115,14 @@ def torchax(session):
 def bench(session, jax):
     """Benchmarks: ratios measured side by side in one run, on the oldest and the
     newest tested jax."""
-    _install(session, jax, "test,tpu")
+    scripts = ["bench_core", "bench_verify", "bench_checks"]
+    if session.python == TORCHAX[0]:
+        _install(session, jax, "test,tpu,torchax")
+        scripts.append("bench_torchax")
+    else:
+        _install(session, jax, "test,tpu")
     env = {"JAX_PLATFORMS": "cpu"}  # libtpu only compiles, for bench_verify
-    for script in ("bench_core", "bench_verify", "bench_checks"):
+    for script in scripts:
         session.run("python", f"benchmarks/{script}.py", *session.posargs, env=env)
 
 

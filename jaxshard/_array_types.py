@@ -42,18 +42,19 @@ class _MetaShardedArray(ArrayMeta):
     spec: PartitionSpec
 
     def __instancecheck_str__(cls, obj: Any) -> str:
-        if isinstance(_torch.jax_value(obj), jax.core.Tracer):
+        value = _torch.jax_value(obj)  # a torchax tensor's jax.Array
+        if isinstance(value, jax.core.Tracer):
             # Checking a tracer may leave a probe in the program: only once the
             # dtype and shape are known to be right.
             snapshot = save_dim_memo()
             reason = ArrayMeta.__instancecheck_str__(cls, obj)
             if reason or in_tree_flatten():
                 return reason
-            reason = _sharding.check(cls, obj)
+            reason = _sharding.check(cls, obj, value)
         else:
             # A concrete array's check has no side effect: do it first, so that the
             # common passing case needs no snapshot of jaxtyping's dim bindings.
-            reason = _sharding.check(cls, obj)
+            reason = _sharding.check(cls, obj, value)
             if not reason:
                 return ArrayMeta.__instancecheck_str__(cls, obj)
             snapshot = save_dim_memo()

@@ -184,15 +184,16 @@ def is_array_like(obj: Any) -> bool:
     )
 
 
-def check(annotation, obj: Any) -> str:
-    """Why `obj`'s sharding does not satisfy `annotation.spec`; "" if it does."""
+def check(annotation, obj: Any, value: Any) -> str:
+    """Why `obj`'s sharding does not satisfy `annotation.spec`; "" if it does.
+    `value` is `_torch.jax_value(obj)`: the jax.Array of a torchax tensor."""
     if _config.current().sharding == "off":
         return ""
     try:
         spec = annotation.spec
     except AnnotationError as e:  # logical names the rules cannot resolve
         return str(e)
-    named, obj = obj, _torch.jax_value(obj)  # a torchax tensor: its jax.Array
+    named, obj = obj, value
     if obj is None:
         return _torch.elsewhere(named, format_spec(spec))
     if isinstance(obj, jax.core.Tracer):

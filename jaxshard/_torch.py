@@ -34,14 +34,30 @@ def from_jax(array: Any) -> Any:
     return torchax.default_env().j2t_iso(array)
 
 
+# What each type of value is, looked up once per type: not a torch tensor, a tensor on
+# the 'jax' device (torchax's Tensor and View, which have `.jax()`), or one elsewhere.
+# A type is a torch tensor type only if torch was imported before it existed.
+_NOT_TORCH, _ON_JAX, _ELSEWHERE = range(3)
+_kinds: dict[type, int] = {}
+
+
+def _kind(cls: type) -> int:
+    if not is_tensor_type(cls):
+        return _NOT_TORCH
+    return _ON_JAX if callable(getattr(cls, "jax", None)) else _ELSEWHERE
+
+
 def jax_value(obj: Any) -> Any:
     """The `jax.Array` (or tracer) behind `obj` if it is a tensor on the 'jax'
     device; `obj` itself if it is not a torch tensor; `None` for a torch tensor
     elsewhere (on the CPU, say)."""
-    if not is_tensor(obj):
+    cls = type(obj)
+    kind = _kinds.get(cls)
+    if kind is None:
+        kind = _kinds[cls] = _kind(cls)
+    if kind == _NOT_TORCH:
         return obj
-    to_jax = getattr(obj, "jax", None)  # torchax's Tensor and View
-    return to_jax() if callable(to_jax) else None
+    return obj.jax() if kind == _ON_JAX else None
 
 
 def elsewhere(obj: Any, expected: str) -> str:

@@ -5,6 +5,7 @@ value checks, strategies and `verify`."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import hypothesis.strategies as st
 import jax
@@ -203,29 +204,64 @@ def test_inside_compiled_function_auto_at_compile_time(compile):
             wrap(scale)(on(mesh, np.ones((8, 4), np.float32), P(None, "tp")))
 
 
+@jaxshard.jaxtyped(typechecker=beartype)
+def up(
+    x: Float[Tensor, "[b/dp] d"], w: Float[Tensor, "[h/tp] d"]
+) -> Float[Tensor, "[b/dp] [h/tp]"]:
+    return torch.relu(torch.nn.functional.linear(x, w))
+
+
 class MLP(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.up = torch.nn.Linear(4, 16)
+        self.up = torch.nn.Linear(4, 16, bias=False)
         self.down = torch.nn.Linear(16, 4)
 
     @jaxshard.jaxtyped(typechecker=beartype)
     def forward(
         self, x: Float[Tensor, "b d", P("dp", None)]
     ) -> Float[Tensor, "b d", P("dp", None)]:
-        return self.down(torch.relu(self.up(x)))
+        return self.down(up(x, self.up.weight))
 
 
-@pytest.mark.parametrize("make", [explicit, auto])
-def test_compiled_module(make):
-    mesh = make((4, 2), ("dp", "tp"))
-    with torchax.default_env(), jax.set_mesh(mesh):
+def placed(mesh, up_spec=P("tp", None)) -> MLP:
+    """An MLP on the 'jax' device, its first weight laid out by `up_spec`."""
+    with torchax.default_env():
         model = MLP().to("jax")
-        compiled = torchax.compile(model)
+        model.up.weight.apply_jax_(jax.device_put, NamedSharding(mesh, up_spec))
+    return model
+
+
+def test_compiled_module():
+    """Torch ops contract over sharded dimensions, which an Explicit mesh refuses
+    without an output sharding: an Auto mesh, where XLA chooses."""
+    mesh = auto((4, 2), ("dp", "tp"))
+    with torchax.default_env(), jax.set_mesh(mesh):
+        compiled = torchax.compile(placed(mesh))
         out = compiled(on(mesh, np.ones((8, 4), np.float32), P("dp", None)))
         assert tuple(out.shape) == (8, 4)
         with pytest.raises(jaxshard.ShardingError, match=r"P\('dp', None\)"):
             compiled(on(mesh, np.ones((8, 4), np.float32), P(None, "dp")))
+        wrong = torchax.compile(placed(mesh, P(None, "tp")))
+        with pytest.raises(jaxshard.ShardingError, match="parameter 'w'") as e:
+            wrong(on(mesh, np.ones((8, 4), np.float32), P("dp", None)))
+    assert "when XLA compiled" in str(e.value)
+
+
+def test_compiled_module_explicit():
+    mesh = explicit((4, 2), ("dp", "tp"))
+
+    class Scale(torch.nn.Module):
+        @jaxshard.jaxtyped(typechecker=beartype)
+        def forward(self, x: X) -> X:
+            return x * 2
+
+    with torchax.default_env(), jax.set_mesh(mesh):
+        compiled = torchax.compile(Scale())
+        out = compiled(on(mesh, np.ones((8, 4), np.float32), P("dp", "tp")))
+        np.testing.assert_array_equal(np.asarray(out.jax()), 2)
+        with pytest.raises(jaxshard.ShardingError, match="at trace time|P\\(None"):
+            compiled(on(mesh, np.ones((8, 4), np.float32), P(None, "tp")))
 
 
 def test_compiled_program_is_unchanged(mesh):
@@ -307,12 +343,41 @@ def test_strategies_draw_sharded_tensors(data):
 # --- verify -------------------------------------------------------------------------
 
 
-def test_verify_compiled_module():
-    mesh = explicit((4, 2), ("dp", "tp"))
-    with torchax.default_env():
-        compiled = torchax.compile(MLP().to("jax"))
-    report = jaxshard.verify(compiled, mesh=mesh, dims={"b": 8, "d": 4})
-    assert report.ok
+@pytest.mark.parametrize("where", ["cpu", "tpu"])
+def test_verify_compiled_module(where):
+    """The forward's contracts, with the weights as abstract inputs laid out as they
+    are: on the CPU mesh they live on, or on a TPU pod's mesh of the same axes."""
+    mesh = auto((4, 2), ("dp", "tp"))
+    target = (
+        mesh if where == "cpu" else jaxshard.tpu_mesh("v5e:2x4", {"dp": 4, "tp": 2})
+    )
+    compiled = torchax.compile(placed(mesh))
+    report = jaxshard.verify(compiled, mesh=target, dims={"b": 64, "d": 4})
+    assert report.ok and report.function == "MLP.forward"
+    weight = report.inputs["self['up.weight']"]
+    assert weight.shape == (16, 4) and weight.sharding.spec == P("tp", None)
+    assert report.inputs["self['down.bias']"].sharding.spec == P()
+    assert {r.function for r in report.rows} >= {"MLP.forward", "up"}
+    wrong = torchax.compile(placed(mesh, P(None, "tp")))
+    with pytest.raises(jaxshard.ShardingError, match="up, parameter 'w'"):
+        jaxshard.verify(wrong, mesh=target, dims={"b": 64, "d": 4})
+    # The weights count towards the sharding budgets.
+    report = jaxshard.verify(
+        compiled,
+        mesh=target,
+        dims={"b": 64, "d": 4},
+        max_replicated_bytes=0,
+        raise_on_error=False,
+    )
+    assert "down.weight" in str(report.violations)
+
+
+def test_verify_names_a_weight_on_axes_the_mesh_lacks():
+    mesh = auto((4, 2), ("dp", "tp"))
+    compiled = torchax.compile(placed(mesh))
+    other = auto((8,), ("dp",))
+    with pytest.raises(jaxshard.ModelError, match="'up.weight'.*\\['tp'\\]"):
+        jaxshard.verify(compiled, mesh=other, dims={"b": 8, "d": 4})
 
 
 # --- cost ---------------------------------------------------------------------------
@@ -326,3 +391,26 @@ def test_import_jaxshard_imports_no_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert out.stdout.split() == ["False", "False"]
+
+
+# --- docs ---------------------------------------------------------------------------
+
+
+def test_the_docs_program_runs(tmp_path):
+    """docs/torchax.md's program, which `nox -s docs` (without torch) does not run:
+    it passes, then raises at the line that says so."""
+    root = Path(__file__).parent.parent
+    text = (root / "docs" / "torchax.md").read_text()
+    marker = "tests/test_torchax.py runs it -->\n```python\n"
+    code = text.split(marker, 1)[1].split("```", 1)[0]
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env
+    )
+    last = [x for x in run.stderr.splitlines() if x.startswith("jaxshard.")][-1:]
+    assert run.returncode and last, run.stderr[-2000:]
+    assert last[0].startswith("jaxshard.ShardingError:")
+    assert "gelu(y)" in run.stderr and "gelu(x)" not in run.stderr
