@@ -127,9 +127,11 @@ class Scope:
             self._rows[frame] = (start, rows)
         return self._rows[frame][0]
 
-    def abstract_states(self) -> Any:
-        """The shape of the accumulated states the next call would be given."""
-        return jax.ShapeDtypeStruct(self._shape, np.int32)
+    def abstract_states(self, args: tuple, kwargs: dict) -> Any:
+        """The accumulated states a call with these arguments would be given, as an
+        abstract array (their shape, and where they would be)."""
+        sharding = _placement(args, kwargs)
+        return jax.ShapeDtypeStruct(self._shape, np.int32, sharding=sharding)
 
     def _fresh(self, args: tuple, kwargs: dict) -> Any:
         """Zero states, where the call's program runs."""
@@ -138,13 +140,25 @@ class Scope:
 
     def _grow(self, accumulated: Any, grow: "_Grow") -> None:
         """Room for `grow`'s rows and width, twice what is needed, with the states
-        so far (a read and a copy: when a new trace does not fit)."""
-        old = np.asarray(accumulated)
-        rows = old.shape[0] if grow.rows <= old.shape[0] else 2 * grow.rows
-        self._shape = (rows, max(old.shape[1], grow.width))
-        new = np.zeros(self._shape, np.int32)
-        new[: old.shape[0], : old.shape[1]] = old
-        self._accumulated = jax.device_put(new, accumulated.sharding)
+        so far if there are any (a read and a copy: when a new trace does not
+        fit)."""
+        rows = self._shape[0] if grow.rows <= self._shape[0] else 2 * grow.rows
+        self._shape = (rows, max(self._shape[1], grow.width))
+        if accumulated is not None:
+            old = np.asarray(accumulated)
+            new = np.zeros(self._shape, np.int32)
+            new[: old.shape[0], : old.shape[1]] = old
+            self._accumulated = jax.device_put(new, accumulated.sharding)
+
+    def lower_deferred(self, deferred: Any, args: tuple, kwargs: dict) -> Any:
+        """The deferred program for these arguments, lowered, with room for its
+        rows in the accumulated states."""
+        try:
+            states = self.abstract_states(args, kwargs)
+            return deferred.lower(states, *args, **kwargs)
+        except _Grow as grow:
+            self._grow(self._accumulated, grow)
+            return self.lower_deferred(deferred, args, kwargs)
 
     def refs(self) -> tuple[Any, Any]:
         """The flag and call counter for the current placement."""

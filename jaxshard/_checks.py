@@ -152,8 +152,7 @@ def checked(fn: Callable) -> Callable:
                 return fn.lower(*args, **kwargs)
             if mode == "raise":
                 return compiled[0].lower(*args, **kwargs)
-            states = scope.abstract_states()
-            return compiled[1].lower(states, *args, **kwargs)
+            return scope.lower_deferred(compiled[1], args, kwargs)
 
         wrapper.lower = lower  # pyright: ignore[reportAttributeAccessIssue]
     wrapper.scope = scope  # pyright: ignore[reportAttributeAccessIssue]
@@ -427,7 +426,7 @@ def _jax_value(function: str, name: str, x: Any) -> Any:
     """`x`, or the jax.Array behind it if it is a tensor on torchax's 'jax'
     device; a torch tensor elsewhere is refused."""
     value = _torch.jax_value(x)
-    if value is None:
+    if value is None and x is not None:
         raise TypeError(
             f"jaxshard.{function}: {name} is a torch.Tensor on device "
             f"{str(x.device)!r}; checks run on JAX's devices. Put it on torchax's "

@@ -194,7 +194,7 @@ def check(annotation, obj: Any, value: Any) -> str:
     except AnnotationError as e:  # logical names the rules cannot resolve
         return str(e)
     named, obj = obj, value
-    if obj is None:
+    if obj is None and named is not None:
         return _torch.elsewhere(named, format_spec(spec))
     if isinstance(obj, jax.core.Tracer):
         return _check_traced(annotation, obj, named)

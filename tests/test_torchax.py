@@ -173,35 +173,48 @@ def test_cpu_tensor_without_spec_is_jaxtyping_s():
 # --- compiled -----------------------------------------------------------------------
 
 
+@jaxshard.jaxtyped(typechecker=beartype)
+def scale_jax(x: Float[jax.Array, "b d", P("dp", "tp")]) -> Float[jax.Array, "b d"]:
+    return x * 2
+
+
+def violation(error: Exception) -> str:
+    """What a ShardingError says of parameter 'x', without the function's name and
+    with the annotation's array type as `T`."""
+    text = str(error)
+    text = text[text.index("parameter 'x'") :].split("\n")[0]
+    return text.replace("[Tensor,", "[T,").replace("[Array,", "[T,")
+
+
 @pytest.mark.parametrize("compile", ["compile", "jax_jit"])
-def test_inside_compiled_function_explicit_at_trace_time(compile):
-    mesh = explicit((4, 2), ("dp", "tp"))
+@pytest.mark.parametrize("make", [explicit, auto])
+def test_inside_compiled_function(compile, make):
+    """At trace time on Explicit axes, when XLA compiles on Auto axes; the message is
+    the one a jax.Array gets under jax.jit."""
+    mesh = make((4, 2), ("dp", "tp"))
     wrap = torchax.compile if compile == "compile" else torchax.interop.jax_jit
     traced = []
 
     def f(x: X) -> X:
-        traced.append(type(x))
+        traced.append(type(x.jax()))
         return scale(x)
 
+    good = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("dp", "tp")))
+    bad = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P(None, "tp")))
+    env = torchax.default_env()
     with jax.set_mesh(mesh):
-        out = wrap(f)(on(mesh, np.ones((8, 4), np.float32), P("dp", "tp")))
+        out = wrap(f)(env.j2t_iso(good))
         assert isinstance(out, torch.Tensor)
-        assert out.jax().sharding.spec == P("dp", "tp")
-        with pytest.raises(jaxshard.ShardingError, match=r"P\(None, 'tp'\)") as e:
-            wrap(f)(on(mesh, np.ones((8, 4), np.float32), P(None, "tp")))
-    assert "jit" not in str(e.value).lower() or "at trace time" not in str(e.value)
-    assert len(traced) == 2
-
-
-@pytest.mark.parametrize("compile", ["compile", "jax_jit"])
-def test_inside_compiled_function_auto_at_compile_time(compile):
-    mesh = auto((4, 2), ("dp", "tp"))
-    wrap = torchax.compile if compile == "compile" else torchax.interop.jax_jit
-    with jax.set_mesh(mesh):
-        out = wrap(scale)(on(mesh, np.ones((8, 4), np.float32), P("dp", "tp")))
         np.testing.assert_array_equal(np.asarray(out.jax()), 2)
-        with pytest.raises(jaxshard.ShardingError, match=r"compil"):
-            wrap(scale)(on(mesh, np.ones((8, 4), np.float32), P(None, "tp")))
+        assert out.jax().sharding.is_equivalent_to(good.sharding, 2)
+        with pytest.raises(jaxshard.ShardingError) as for_torch:
+            wrap(f)(env.j2t_iso(bad))
+        with pytest.raises(jaxshard.ShardingError) as for_jax:
+            jax.jit(scale_jax)(bad)
+    assert all(issubclass(t, jax.core.Tracer) for t in traced) and len(traced) == 2
+    assert violation(for_torch.value) == violation(for_jax.value)
+    when = "when XLA compiled" if make is auto else "Sharding:"
+    assert when in str(for_torch.value) and when in str(for_jax.value)
 
 
 @jaxshard.jaxtyped(typechecker=beartype)
@@ -329,12 +342,13 @@ def test_check_refuses_a_cpu_tensor():
 # --- strategies ---------------------------------------------------------------------
 
 
-@settings(max_examples=20, deadline=None)
+@pytest.mark.parametrize("dtype", [Float, Int, Bool, BFloat16, Num, Shaped])
+@settings(max_examples=15, deadline=None)
 @given(data=st.data())
-def test_strategies_draw_sharded_tensors(data):
+def test_strategies_draw_sharded_tensors(dtype, data):
     mesh = data.draw(js.meshes())
     spec = data.draw(js.partition_specs(2, mesh))
-    annotation = Float[Tensor, "b d", spec]
+    annotation = dtype[Tensor, "b d", spec]
     t = data.draw(js.arrays(annotation, mesh))
     assert isinstance(t, torch.Tensor) and isinstance(t, annotation)
     assert t.jax().sharding.is_equivalent_to(NamedSharding(mesh, spec), 2)
