@@ -573,6 +573,33 @@ def test_sharded_predicate_is_not_gathered(explicit_mesh, rows):
     assert found.count == rows * 8 - 10
 
 
+@pytest.mark.parametrize("context", [False, True])
+def test_lower_in_deferred_mode(explicit_mesh, context):
+    """`lower` before any call, in deferred mode: the program takes the accumulated
+    states, with room made for its rows and placed as a call's would be; a call
+    afterwards runs that program."""
+
+    def f(x):
+        for i in range(20):  # more rows than a fresh scope has room for
+            jaxshard.check(x < 100 + i, "big {x}", x=x)
+        return x + 1
+
+    x = jax.device_put(jnp.ones((8, 4)), NamedSharding(explicit_mesh, P("dp", "tp")))
+    g = jaxshard.checked(jax.jit(f))
+    with (
+        jax.set_mesh(explicit_mesh) if context else contextlib.nullcontext(),
+        jaxshard.deferred_checks(),
+    ):
+        compiled = g.lower(x).compile()
+        (states, _), _ = compiled.input_shardings
+        assert states.is_fully_replicated and len(states.device_set) == 8
+        rows = re.search(r"s32\[(\d+),\d+\]", compiled.as_text().split("ENTRY")[1])
+        assert rows and int(rows.group(1)) > 20
+        g(x * 200)
+        with pytest.raises(jaxshard.CheckError, match="20 checks failed"):
+            jaxshard.flush_checks()
+
+
 def test_shard_map_combines_devices(explicit_mesh):
     from jax import Array
 
