@@ -14,11 +14,11 @@ import inspect
 import sys
 from typing import Any
 
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
-def is_tensor(obj: Any) -> bool:
-    """Whether `obj` is a `torch.Tensor` (torch imported or not)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
+from ._errors import ModelError
+from ._spec import axes_of
 
 
 def is_tensor_type(cls: Any) -> bool:
@@ -28,7 +28,8 @@ def is_tensor_type(cls: Any) -> bool:
 
 
 def from_jax(array: Any) -> Any:
-    """`array` as a torchax tensor on the 'jax' device (no copy)."""
+    """`array` (or each array in the tree) as a torchax tensor on the 'jax' device
+    (no copy)."""
     import torchax
 
     return torchax.default_env().j2t_iso(array)
@@ -90,12 +91,6 @@ def abstract_weights(module: Any, mesh: Any, what: str) -> dict[str, Any]:
     """The parameters and buffers of the compiled `module`, as abstract arrays laid
     out on `mesh` with the partition specs they have now (replicated if they have
     none)."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from ._errors import ModelError
-    from ._spec import axes_of
-
     out = {}
     for name, tensor in {**module.params, **module.buffers}.items():
         value = jax_value(tensor)
