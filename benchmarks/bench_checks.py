@@ -612,12 +612,12 @@ def main() -> int:
             over = "-"
             if "flag vector" in times:
                 floor = times["flag vector"]
-                over = f"+{median([x - y for x, y in zip(a, floor)]) * 1e6:.1f} us"
+                over = f"{median([x - y for x, y in zip(a, floor)]) * 1e6:+.1f} us"
             what = "x + 1 vs jit(x + 1)" if kind == "small" else "MLP step vs jit(step)"
             what += f", {mode}"
             rows.append(
                 (what, f"{median(a) * 1e6:.1f} us", f"{median(b) * 1e6:.1f} us")
-                + (f"+{extra:.1f} us", over, f"<= +{target} us")
+                + (f"{extra:+.1f} us", over, f"<= +{target} us")
             )
     print_table(rows)
 
