@@ -102,7 +102,7 @@ def examples(session):
 def torchax(session):
     """A PyTorch MLP under torchax on 8 simulated devices: its sharding contracts
     checked eagerly, compiled and by `verify`, and a mis-sharded weight caught."""
-    session.install("-e", ".[torchax]", f"jax=={TORCHAX[1]}", f"jaxlib=={TORCHAX[1]}")
+    _install(session, TORCHAX[1], "torchax")
     session.run("python", "examples/torchax_mlp.py", env={"JAX_PLATFORMS": "cpu"})
 
 

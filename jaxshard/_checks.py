@@ -426,7 +426,7 @@ def _jax_value(function: str, name: str, x: Any) -> Any:
     """`x`, or the jax.Array behind it if it is a tensor on torchax's 'jax'
     device; a torch tensor elsewhere is refused."""
     value = _torch.jax_value(x)
-    if value is None and x is not None:
+    if value is _torch.ELSEWHERE:
         raise TypeError(
             f"jaxshard.{function}: {name} is a torch.Tensor on device "
             f"{str(x.device)!r}; checks run on JAX's devices. Put it on torchax's "
@@ -518,8 +518,8 @@ def check_range(
     if lo is None and hi is None:
         raise ValueError("jaxshard.check_range: give `lo`, `hi` or both.")
     x = _jax_value("check_range", "x", x)
-    lo = lo if lo is None else _jax_value("check_range", "lo", lo)
-    hi = hi if hi is None else _jax_value("check_range", "hi", hi)
+    lo = _jax_value("check_range", "lo", lo)
+    hi = _jax_value("check_range", "hi", hi)
     for parameter, value in (("x", x), ("lo", lo), ("hi", hi)):
         if parameter == "x" or value is not None:
             expect(

@@ -193,9 +193,9 @@ def check(annotation, obj: Any, value: Any) -> str:
         spec = annotation.spec
     except AnnotationError as e:  # logical names the rules cannot resolve
         return str(e)
+    if value is _torch.ELSEWHERE:
+        return _torch.elsewhere(obj, format_spec(spec))
     named, obj = obj, value
-    if obj is None and named is not None:
-        return _torch.elsewhere(named, format_spec(spec))
     if isinstance(obj, jax.core.Tracer):
         return _check_traced(annotation, obj, named)
     if not isinstance(obj, jax.Array):
@@ -233,10 +233,9 @@ def _with_rules(reason: str, annotation: Any) -> str:
     return f"{reason.rstrip('.')}; {annotation.explain()}."
 
 
-def _check_traced(annotation, x, named: Any = None) -> str:
+def _check_traced(annotation, x, named: Any) -> str:
     """The check of the tracer `x`; `named` is the value messages name (the
     torchax tensor around `x`, or `x`)."""
-    named = x if named is None else named
     aval = jax.typeof(x)
     mesh = aval.sharding.mesh
     if not mesh.empty:

@@ -41,6 +41,9 @@ def from_jax(array: Any) -> Any:
 _NOT_TORCH, _ON_JAX, _ELSEWHERE = range(3)
 _kinds: dict[type, int] = {}
 
+# What `jax_value` returns for a torch tensor that is not on the 'jax' device.
+ELSEWHERE: Any = object()
+
 
 def _kind(cls: type) -> int:
     if not is_tensor_type(cls):
@@ -50,7 +53,7 @@ def _kind(cls: type) -> int:
 
 def jax_value(obj: Any) -> Any:
     """The `jax.Array` (or tracer) behind `obj` if it is a tensor on the 'jax'
-    device; `obj` itself if it is not a torch tensor; `None` for a torch tensor
+    device; `obj` itself if it is not a torch tensor; `ELSEWHERE` for a torch tensor
     elsewhere (on the CPU, say)."""
     cls = type(obj)
     kind = _kinds.get(cls)
@@ -58,7 +61,7 @@ def jax_value(obj: Any) -> Any:
         kind = _kinds[cls] = _kind(cls)
     if kind == _NOT_TORCH:
         return obj
-    return obj.jax() if kind == _ON_JAX else None
+    return obj.jax() if kind == _ON_JAX else ELSEWHERE
 
 
 def elsewhere(obj: Any, expected: str) -> str:
@@ -94,7 +97,7 @@ def abstract_weights(module: Any, mesh: Any, what: str) -> dict[str, Any]:
     out = {}
     for name, tensor in {**module.params, **module.buffers}.items():
         value = jax_value(tensor)
-        if value is None:
+        if value is ELSEWHERE:
             raise ModelError(
                 f"{what}: the weight {name!r} is a torch.Tensor on device "
                 f"{str(tensor.device)!r}, not on torchax's 'jax' device. Move the "
@@ -113,6 +116,11 @@ def abstract_weights(module: Any, mesh: Any, what: str) -> dict[str, Any]:
         sharding = NamedSharding(mesh, spec)
         out[name] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
     return out
+
+
+def module_forward(module: Any) -> Any:
+    """The compiled `module`'s own `forward`, bound to the torch module."""
+    return module._model.forward
 
 
 def module_call(module: Any, forward: Any) -> Any:

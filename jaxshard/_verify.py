@@ -223,7 +223,7 @@ def verify(
     golden = None if against is None else load_snapshot(against)
     module = fn if _torch.is_compiled_module(fn) else None
     if module is not None:  # torchax.compile(module): its forward, and its weights
-        fn = module._model.forward
+        fn = _torch.module_forward(module)
     name = _name(fn)
     what = f"jaxshard.verify({name})"
     bound = _bound_inputs(fn, mesh, dims, dtypes, values, what)
