@@ -30,7 +30,9 @@ def _statistics(items: list[Item]) -> list[tuple]:
     For large predicates the passing case costs one fused reduction each (the
     item's screen): the rest (the first failing element and the values there) is
     computed only when something failed, in one `lax.cond` for all of them, whose
-    operands are the predicates' inputs rather than materialised boolean arrays."""
+    operands are the predicates' inputs rather than materialised boolean arrays. On
+    a mesh of several devices each device does this on its own share of each input
+    (`_split_statistics`)."""
     manual = _manual_axes(items[0].operand)
     # A scalar predicate's details cost nothing; an array's cost passes over it and,
     # when it is sharded, collectives: those wait for a failure, behind one branch.
@@ -41,20 +43,26 @@ def _statistics(items: list[Item]) -> list[tuple]:
             out[i] = _details(item.pred_fn, item.operand, item.values, item.shape)
     if large:
         group = [items[i] for i in large]
-        any_fail = _any_failure(group, manual)
-        inputs = [(item.operand, item.values) for item in group]
+        operands = [lax.stop_gradient(item.operand) for item in group]
+        mesh = None if manual else _split_mesh(operands)
+        if mesh is not None:
+            stats = _split_statistics(mesh, group)
+        else:
+            any_fail = _any_failure(group, manual)
+            inputs = [(item.operand, item.values) for item in group]
 
-        def details(inputs):
-            return [
-                _details(item.pred_fn, operand, values, item.shape)
-                for item, (operand, values) in zip(group, inputs)
-            ]
+            def details(inputs):
+                return [
+                    _details(item.pred_fn, operand, values, item.shape)
+                    for item, (operand, values) in zip(group, inputs)
+                ]
 
-        def passing(inputs):
-            return [_passing(operand, values) for operand, values in inputs]
+            def passing(inputs):
+                return [_passing(operand, values) for operand, values in inputs]
 
-        for i, stats in zip(large, lax.cond(any_fail, details, passing, inputs)):
-            out[i] = stats
+            stats = lax.cond(any_fail, details, passing, inputs)
+        for i, stat in zip(large, stats):
+            out[i] = stat
     result = []
     for count, first, *picked in out:
         device = jnp.full((), -1, jnp.int32)
@@ -64,6 +72,138 @@ def _statistics(items: list[Item]) -> list[tuple]:
             )
         result.append(((count, first, device, *picked), tuple(manual)))
     return result
+
+
+def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
+    """`(count, first element, *values at it)` of each item's predicate, all of
+    whose operands lie on `mesh`, in one per-device computation (`_on_blocks`):
+    each device screens its share of each operand (a slice of its block where the
+    block is repeated on other devices), one all-reduce of one integer combines the
+    screens, and only if something failed does a `lax.cond` compute the details
+    from the shares, combined by collectives of scalars. Nothing is gathered, and
+    the branch takes the shares, not the whole operands: XLA need not lay those out
+    anew for it."""
+    explicit = set(mesh.axis_types) == {AxisType.Explicit}
+    operands, arrays = [], []  # per item: its operand, then its array values
+    for item in items:
+        operand = lax.stop_gradient(item.operand)
+        sharding = jax.typeof(operand).sharding
+        arrays.append([i for i, v in enumerate(item.values) if jnp.shape(v)])
+        operands.append(operand)
+        for i in arrays[-1]:
+            # Laid out as the operand, so that its blocks and theirs match.
+            v = lax.stop_gradient(item.values[i])
+            if explicit and jax.typeof(v).sharding.spec != sharding.spec:
+                v = jax.sharding.reshard(v, sharding)
+            operands.append(v)
+    dtypes = [[item.values[i].dtype for i in a] for item, a in zip(items, arrays)]
+
+    def local(mesh, specs):
+        axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
+
+        def on_blocks(*blocks):
+            shares, at = [], 0
+            for item, values in zip(items, arrays):
+                spec, block = specs[at], blocks[at]
+                picked = blocks[at + 1 : at + 1 + len(values)]
+                at += 1 + len(values)
+                shares.append(
+                    (_share(block, spec, axes), [_share(b, spec, axes) for b in picked])
+                )
+            fails = [
+                jnp.logical_not(_screen(item)(share))
+                for item, (share, _) in zip(items, shares)
+            ]
+            any_fail = functools_reduce(jnp.logical_or, fails).astype(jnp.int32)
+            any_fail = _all_reduce(any_fail, axes, lax.pmax) > 0
+
+            def details(shares):
+                out, at = [], 0
+                for item, (share, picked) in zip(items, shares):
+                    spec, block = specs[at], blocks[at]
+                    at += 1 + len(picked)
+                    out.append(
+                        _block_details(item, share, picked, block.shape, spec, mesh)
+                    )
+                return out
+
+            def passing(shares):
+                zero = jnp.zeros((), jnp.int32)
+                return [
+                    (zero, zero - 1, *(jnp.zeros((), d) for d in types))
+                    for types in dtypes
+                ]
+
+            found = lax.cond(any_fail, details, passing, shares)
+            return tuple(x for stats in found for x in stats)
+
+        return on_blocks
+
+    def whole(*operands):
+        out, at = [], 0
+        for item, values in zip(items, arrays):
+            operand = operands[at]
+            picked = list(operands[at + 1 : at + 1 + len(values)])
+            at += 1 + len(values)
+            fail = jnp.logical_not(item.pred_fn(operand))
+            out += _first_failure(fail, _flat_index(fail), picked)
+        return tuple(out)
+
+    outputs = sum(2 + len(a) for a in arrays)
+    like = [i for i, a in zip(_starts(arrays), arrays) for i in [i] * (1 + len(a))]
+    found = iter(_on_blocks(mesh, local, whole, operands, outputs, like))
+    stats = []
+    for item, values in zip(items, arrays):
+        count, first = next(found), next(found)
+        picked = list(item.values)
+        for i in values:
+            picked[i] = next(found)
+        stats.append((count, first, *picked))
+    return stats
+
+
+def _starts(arrays: list[list[int]]) -> list[int]:
+    """Where each item's operand is among `_split_statistics`'s operands."""
+    starts, at = [], 0
+    for a in arrays:
+        starts.append(at)
+        at += 1 + len(a)
+    return starts
+
+
+def _block_details(item: Item, share, picked: list, block_shape, spec, mesh):
+    """`(count, first failing element, *values there)` of `item` over the whole
+    array, from this device's `share` of its block (of `block_shape`) and the
+    shares of its array values: the same on every device."""
+    axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
+    index = _share(_global_index(block_shape, spec, mesh), spec, axes)
+    fail = jnp.logical_not(item.pred_fn(share))
+    count, first, *at = _first_failure(fail, index, picked)
+    if share.size == np.prod(block_shape):
+        # Not sliced: a block repeated on other devices counts once, on the first.
+        others = [(a, n) for a, n in axes if a not in _axes_of(spec)]
+        copy = jnp.zeros((), jnp.int32)
+        for a, n in others:
+            copy = copy * n + lax.axis_index(a)
+        count = jnp.where(copy == 0, count, 0)
+    count = _all_reduce(count, axes, lax.psum)
+    least = _all_reduce(first, axes, lax.pmin)
+    me = jnp.zeros((), jnp.int32)
+    for a, n in axes:
+        me = me * n + lax.axis_index(a)
+    holder = _all_reduce(jnp.where(first == least, me, _BIG), axes, lax.pmin)
+    # The values from the device holding the first failure, as words.
+    values = [
+        _from_words(
+            [
+                _all_reduce(jnp.where(me == holder, w, 0), axes, lax.psum)
+                for w in _encode([v])
+            ],
+            v.dtype,
+        )
+        for v in at
+    ]
+    return (count, least, *values)
 
 
 def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, Any]:
@@ -236,7 +376,14 @@ def _split_mesh(operands: list) -> Any:
     return mesh
 
 
-def _on_blocks(mesh, local: Callable, whole: Callable, operands: list, outputs: int):
+def _on_blocks(
+    mesh,
+    local: Callable,
+    whole: Callable,
+    operands: list,
+    outputs: int,
+    like: list[int] | None = None,
+):
     """`local(mesh, specs)(*blocks)` on each device's blocks of `operands`, which
     returns `outputs` scalars that are the same on every device; `whole` computes
     the same on whole arrays.
@@ -244,7 +391,8 @@ def _on_blocks(mesh, local: Callable, whole: Callable, operands: list, outputs: 
     On Explicit axes the blocks are known at trace time: a `shard_map`. On Auto
     axes XLA lays the operands out after tracing: a custom-partitioned operation,
     which constrains no operand's layout (every dimension is a reduction factor) and
-    which the partitioner calls back with the layouts it chose."""
+    which the partitioner calls back with the layouts it chose. Operand `i` is laid
+    out as operand `like[i]` (of the same shape), if given."""
     if set(mesh.axis_types) == {AxisType.Explicit}:
         specs = tuple(jax.typeof(x).sharding.spec for x in operands)
         out_specs = (PartitionSpec(),) * outputs
@@ -259,12 +407,16 @@ def _on_blocks(mesh, local: Callable, whole: Callable, operands: list, outputs: 
         return mesh, local(mesh, [s.spec for s in shardings]), replicated, shardings
 
     names = iter(f"d{i}" for i in range(sum(x.ndim for x in operands)))
-    factors = [" ".join(next(names) for _ in range(x.ndim)) for x in operands]
+    factors: list[str] = []
+    for i, x in enumerate(operands):
+        j = i if like is None else like[i]
+        tied = j < i and operands[j].shape == x.shape
+        factors.append(factors[j] if tied else " ".join(next(names) for _ in x.shape))
     op = custom_partitioning(whole)
     op.def_partition(
         partition,
         sharding_rule=", ".join(factors) + " -> " + ", ".join([""] * outputs),
-        reduction_factors=tuple(" ".join(factors).split()),
+        reduction_factors=tuple(dict.fromkeys(" ".join(factors).split())),
     )
     return op(*operands)
 
@@ -316,76 +468,16 @@ def _names(entry) -> tuple[str, ...]:
 
 def _details(pred_fn, operand, values, shape):
     """`(count, first failing element, *values there)` of the predicate
-    `pred_fn(operand)`, in one pass over it (`_first_failure`). On a mesh of several
-    devices each device reduces its share of its block, as for `_any_failure`'s
-    test, and collectives of scalars combine them: nothing is gathered."""
+    `pred_fn(operand)` on whole arrays (on one device, or inside `shard_map`), in one
+    pass over it (`_first_failure`)."""
     if not shape:  # a scalar's first failing element is not reported
         fail = jnp.logical_not(pred_fn(operand))
         return (fail.astype(jnp.int32), np.int32(-1), *values)
     # Only values are checked: no tangents reach the reduction.
     operand = lax.stop_gradient(operand)
     values = [lax.stop_gradient(v) for v in values]
-    operands = [operand]
-    mesh = _split_mesh(operands)
-    if mesh is None:
-        fail = jnp.logical_not(pred_fn(operand))
-        return _first_failure(fail, _flat_index(fail), values)
-    # The array values laid out as the operand, so that its blocks and theirs match;
-    # scalars do not enter the per-device computation (they are the same
-    # everywhere, and a custom-partitioned one may close over no tracer).
-    sharding = jax.typeof(operands[0]).sharding
-    explicit = set(mesh.axis_types) == {AxisType.Explicit}
-    arrays = [i for i, v in enumerate(values) if v.shape]
-    for i in arrays:
-        v = values[i]
-        if explicit and jax.typeof(v).sharding.spec != sharding.spec:
-            v = jax.sharding.reshard(v, sharding)
-        operands.append(v)
-
-    def local(mesh, specs):
-        axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
-        spec = specs[0]
-
-        def on_block(block, *blocks):
-            index = _share(_global_index(block.shape, spec, mesh), spec, axes)
-            fail = _share(jnp.logical_not(pred_fn(block)), spec, axes)
-            picked = [_share(b, spec, axes) for b in blocks]
-            count, first, *at = _first_failure(fail, index, picked)
-            # Each element is counted on one device: where a block is repeated
-            # and each copy was not sliced, once per distinct block.
-            used = [(a, n) for a, n in axes if a in _axes_of(spec)]
-            count = _all_reduce(
-                count, axes if fail.size < block.size else used, lax.psum
-            )
-            least = _all_reduce(first, axes, lax.pmin)
-            me = jnp.zeros((), jnp.int32)
-            for a, n in axes:
-                me = me * n + lax.axis_index(a)
-            holder = _all_reduce(jnp.where(first == least, me, _BIG), axes, lax.pmin)
-            # The values from the device holding the first failure, as words.
-            at = [
-                _from_words(
-                    [
-                        _all_reduce(jnp.where(me == holder, w, 0), axes, lax.psum)
-                        for w in _encode([v])
-                    ],
-                    v.dtype,
-                )
-                for v in at
-            ]
-            return (count, least, *at)
-
-        return on_block
-
-    def whole(operand, *arrays_):
-        fail = jnp.logical_not(pred_fn(operand))
-        return tuple(_first_failure(fail, _flat_index(fail), list(arrays_)))
-
-    count, first, *at = _on_blocks(mesh, local, whole, operands, 2 + len(arrays))
-    picked = list(values)
-    for i, v in zip(arrays, at):
-        picked[i] = v
-    return (count, first, *picked)
+    fail = jnp.logical_not(pred_fn(operand))
+    return _first_failure(fail, _flat_index(fail), values)
 
 
 def _first_failure(fail, index, values) -> tuple:
