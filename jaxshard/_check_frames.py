@@ -19,16 +19,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from . import _config
 from ._check_records import _accumulate, _fallback, _record, Scope
-from ._check_rows import _evaluated_once, _full, _ONCE, _rows
+from ._check_rows import (
+    _accumulated_width,
+    _add_call,
+    _evaluated_once,
+    _full,
+    _ONCE,
+    _rows,
+)
 from ._check_sites import Failure, Site
 from ._check_state import (
     _encode,
-    CALL,
-    CALLS,
     COUNT,
     DEVICE,
     ELEMENT,
@@ -101,11 +105,14 @@ def _compiled(fn: Callable, scope: Scope) -> tuple[Callable, Callable] | None:
 
     def deferred(accumulated, *args, **kwargs):
         frame, out = traced(*args, **kwargs)
-        states = _full(*frame.packed(), jnp)
-        if not states.shape[0]:  # no check
+        once, states = frame.packed()
+        rows = sum(x.shape[0] for x in (once, states) if x is not None)
+        if not rows:  # no check
             return out, accumulated
-        start = scope.place(frame, *states.shape, accumulated.shape)
-        return out, _add_call(accumulated, start, states)
+        once_rows = 0 if once is None else once.shape[0]
+        width = _accumulated_width(once, states)
+        start = scope.place(frame, rows, once_rows, width, accumulated.shape)
+        return out, _add_call(accumulated, start, once, states)
 
     kept = {k: v for k, v in params.items() if k not in ("fun", "out_shardings")}
     if "out_shardings" in params:
@@ -120,21 +127,6 @@ def _compiled(fn: Callable, scope: Scope) -> tuple[Callable, Callable] | None:
         # program runs.
         shifted["in_shardings"] = (None, *given) if isinstance(given, tuple) else given
     return jax.jit(raising, **kept), jax.jit(deferred, **{**kept, **shifted})
-
-
-def _add_call(accumulated: Any, start: int, states: Any) -> Any:
-    """`accumulated` with one call's `states` (a trace's rows, from `start`) merged
-    in: per site, counts and failing calls summed, and the call's failure kept if
-    it is the site's first; and the call counted (row 0). One fused update."""
-    rows, width = states.shape
-    old = accumulated[start : start + rows, :width]
-    column = np.arange(width)[None, :]
-    summed = (column == COUNT) | (column == CALLS)
-    states = jnp.where(column == CALL, accumulated[0, 0], states)
-    first = (old[:, COUNT] == 0) & (states[:, COUNT] > 0)
-    new = jnp.where(summed, old + states, jnp.where(first[:, None], states, old))
-    accumulated = lax.dynamic_update_slice(accumulated, new, (start, 0))
-    return accumulated.at[0, 0].add(1)
 
 
 class _Frames(threading.local):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ._check_rows import _from_accumulated
 from ._check_sites import CheckError, Failure, Site
 from ._check_state import (
     _INITIAL,
@@ -71,7 +72,7 @@ class Scope:
         # every trace, as rows of one array (row 0 counts the calls), and where each
         # trace's rows begin.
         self._accumulated: Any = None
-        self._rows: dict["Frame", tuple[int, int]] = {}
+        self._rows: dict["Frame", tuple[int, int, int]] = {}
         # Its shape, which changes only when a trace does not fit (each shape is
         # part of the programs' cache keys).
         self._shape = (16, STATE_SIZE + 2)
@@ -116,15 +117,18 @@ class Scope:
             return self.run_compiled(programs, mode, args, kwargs)
         return out
 
-    def place(self, frame: "Frame", rows: int, width: int, shape: tuple) -> int:
+    def place(
+        self, frame: "Frame", rows: int, once: int, width: int, shape: tuple
+    ) -> int:
         """Where the accumulated rows of a trace begin (called while it is traced,
         with the shape of the accumulated states it is given): after the rows of
-        the traces before it. Raises `_Grow` if they do not fit."""
+        the traces before it. The first `once` rows are those of sites evaluated
+        once per call (see `_add_call`). Raises `_Grow` if they do not fit."""
         if frame not in self._rows:
-            start = 1 + sum(n for _, n in self._rows.values())
+            start = 1 + sum(n for _, n, _ in self._rows.values())
             if start + rows > shape[0] or width > shape[1]:
                 raise _Grow(start + rows, width)
-            self._rows[frame] = (start, rows)
+            self._rows[frame] = (start, rows, once)
         return self._rows[frame][0]
 
     def abstract_states(self, args: tuple, kwargs: dict) -> Any:
@@ -194,11 +198,10 @@ class Scope:
         if self._accumulated is not None:
             accumulated = np.asarray(self._accumulated)  # the one wait for the device
             self._accumulated = None
-            for frame, (start, rows) in self._rows.items():
+            for frame, (start, rows, once) in self._rows.items():
                 if start + rows <= accumulated.shape[0]:
-                    failures += frame.failures(
-                        accumulated[start : start + rows], deferred
-                    )
+                    block = accumulated[start : start + rows]
+                    failures += frame.failures(_from_accumulated(block, once), deferred)
         return failures + self._take_ref_failures(deferred)
 
     def _take_ref_failures(self, deferred: bool) -> list[Failure]:

@@ -10,8 +10,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from ._check_state import BATCH_DEPTH, STATE_SIZE
+from ._check_state import BATCH_DEPTH, CALL, CALLS, COUNT, STATE_SIZE
 from ._check_stats import _stacked
 
 
@@ -72,6 +73,81 @@ def _full(once: Any, states: Any, xp=jnp) -> Any:
     return xp.concatenate(
         [xp.pad(x, pad + [(0, width - x.shape[-1])]) for x in parts], axis=-2
     )
+
+
+# In deferred mode the rows of a compiled call are added into states accumulated
+# over calls (`_add_call`). A once-evaluated site's accumulated row is its `_ONCE`
+# row with two columns inserted after the count: the calls on which it failed, and
+# the call of its first failure. It becomes a whole state only on the host
+# (`_from_accumulated`): the program merges a few columns, not whole states.
+_SUMMED_ONCE = (0, 1)  # the count, and the calls that failed
+_SUMMED_STATE = (COUNT, CALLS)
+
+
+def _add_call(accumulated: Any, start: int, once: Any, states: Any) -> Any:
+    """`accumulated` with one call's rows (those of `Frame.packed()`) merged in,
+    from row `start`: per site, counts and failing calls summed, and the call's
+    failure kept if it is the site's first; and the call counted (row 0)."""
+    call = accumulated[0, 0]
+    if once is not None:
+        count = once[:, :1]
+        fresh = jnp.concatenate(
+            [count, (count > 0).astype(jnp.int32), jnp.broadcast_to(call, count.shape)]
+            + [once[:, 1:]],
+            axis=1,
+        )
+        accumulated = _merge_rows(accumulated, start, fresh, _SUMMED_ONCE)
+        start += once.shape[0]
+    if states is not None:
+        column = np.arange(states.shape[1])[None, :]
+        fresh = jnp.where(column == CALL, call, states)
+        accumulated = _merge_rows(accumulated, start, fresh, _SUMMED_STATE)
+    return accumulated.at[0, 0].add(1)
+
+
+def _merge_rows(accumulated: Any, start: int, fresh: Any, summed: tuple) -> Any:
+    """`accumulated` with `fresh` merged into its rows from `start`."""
+    rows, width = fresh.shape
+    old = accumulated[start : start + rows, :width]
+    column = np.arange(width)[None, :]
+    first = (old[:, :1] == 0) & (fresh[:, :1] > 0)  # the count is column 0
+    new = jnp.where(np.isin(column, summed), old + fresh, jnp.where(first, fresh, old))
+    return lax.dynamic_update_slice(accumulated, new, (start, 0))
+
+
+def _accumulated_width(once: Any, states: Any) -> int:
+    """The columns `_add_call` writes for these rows."""
+    widths = [0 if once is None else once.shape[1] + 2]
+    return max(widths + [0 if states is None else states.shape[1]])
+
+
+def _from_accumulated(rows: np.ndarray, once: int) -> np.ndarray:
+    """Whole states (as `_full` makes them) from a frame's accumulated rows, the
+    first `once` of which are once-evaluated sites' (see `_add_call`)."""
+    acc, states = rows[:once], rows[once:]
+    count, calls, call = acc[:, 0], acc[:, 1], acc[:, 2]
+    element, device, iteration = acc[:, 3], acc[:, 4], acc[:, 5]
+    columns = [
+        count,
+        np.ones_like(count),  # EVALS
+        np.zeros_like(count),  # LAST_CALL
+        calls,
+        np.where(count > 0, 0, -1),  # LAST_FAILED
+        call,
+        np.maximum(iteration, 0),
+        element,
+        device,
+    ]
+    batch = np.full((len(acc), BATCH_DEPTH), -1, np.int32)
+    full = np.concatenate([np.stack(columns, -1), batch, acc[:, 6:]], -1)
+    width = max(full.shape[1], states.shape[1])
+    pad = [(0, 0), (0, 0)]
+    return np.concatenate(
+        [
+            np.pad(full, pad[:1] + [(0, width - full.shape[1])]),
+            np.pad(states, pad[:1] + [(0, width - states.shape[1])]),
+        ]
+    ).astype(np.int32)
 
 
 def _column(values: list) -> Any:
