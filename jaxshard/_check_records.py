@@ -227,16 +227,19 @@ class Scope:
 def _placement(args: tuple, kwargs: dict) -> Any:
     """Where the programs of a call run, so that the check state lives there too (a
     program's arguments, the state among them, must share its devices): the mesh in
-    context, else that of the first array spread over several devices, else the
-    default device."""
+    context, else that of the first array spread over several devices, else that of
+    the first array on a mesh (as the program returns the state: given anywhere
+    else, the next call would trace anew), else the default device."""
     mesh = context_mesh()
     if mesh is not None:
         return _replicated(mesh)
-    for leaf in jax.tree.leaves((args, kwargs)):
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and len(sharding.device_set) > 1:
-            return NamedSharding(sharding.mesh, PartitionSpec())
-    return None
+    meshes = [
+        sharding.mesh
+        for leaf in jax.tree.leaves((args, kwargs))
+        if isinstance(sharding := getattr(leaf, "sharding", None), NamedSharding)
+    ]
+    spread = [mesh for mesh in meshes if mesh.size > 1]
+    return _replicated((spread or meshes)[0]) if meshes else None
 
 
 @ft.lru_cache(maxsize=64)

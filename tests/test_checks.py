@@ -463,6 +463,28 @@ def test_deferred_blocks_trace_once():
     assert len(traces) == 1
 
 
+@pytest.mark.parametrize("devices", [1, 8])
+def test_deferred_traces_once_on_a_mesh_not_in_context(devices):
+    """With no mesh in context, the states start where the program returns them:
+    on the arguments' mesh, even of one device (placed on the default device
+    instead, the second call would trace anew)."""
+    mesh = jax.make_mesh((devices,), ("dp",), devices=jax.devices()[:devices])
+    x = jax.device_put(jnp.zeros(8), NamedSharding(mesh, P()))
+    traces = []
+
+    @jaxshard.checked
+    @jax.jit
+    def f(x):
+        traces.append(None)
+        jaxshard.check(x > -1, "{x}", x=x)
+        return x + 1
+
+    with jaxshard.deferred_checks():
+        for _ in range(3):
+            f(x)
+    assert len(traces) == 1
+
+
 def test_deferred_states_grow_and_follow_the_devices():
     """The accumulated states of a deferred function make room for each new trace's
     checks (a thousand here), keep what earlier traces found, and follow the
