@@ -778,6 +778,27 @@ def test_large_arrays_are_reported_where_they_lie(kind, spec):
     assert label.values == {"l": 6, "x": 0.0}
 
 
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_a_repeated_block_too_small_to_slice_counts_once(kind):
+    """A replicated array whose size the devices do not divide is screened whole on
+    each of them, and each failure is still counted once."""
+    axis = {"explicit": AxisType.Explicit}.get(kind, AxisType.Auto)
+    mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(axis, axis))
+    x = np.zeros((643, 7), np.float32)  # 4,501 elements: not a multiple of 8
+    x[640, 6], x[5, 2], x[5, 3] = np.nan, -np.inf, np.inf
+
+    def f(x):
+        jaxshard.check_finite(x, name="x")
+        return x
+
+    with jax.set_mesh(mesh):
+        (found,) = failures(
+            jaxshard.checked(jax.jit(f)), jax.device_put(x, NamedSharding(mesh, P()))
+        )
+    assert found.count == 3 and found.element == (5, 2)
+    assert found.values["value"] == -np.inf
+
+
 @hypothesis.settings(max_examples=25, deadline=None)
 @hypothesis.given(
     axis_types=st.sampled_from(["explicit", "auto", None]),
