@@ -125,29 +125,11 @@ def _from_accumulated(rows: np.ndarray, once: int) -> np.ndarray:
     """Whole states (as `_full` makes them) from a frame's accumulated rows, the
     first `once` of which are once-evaluated sites' (see `_add_call`)."""
     acc, states = rows[:once], rows[once:]
-    count, calls, call = acc[:, 0], acc[:, 1], acc[:, 2]
-    element, device, iteration = acc[:, 3], acc[:, 4], acc[:, 5]
-    columns = [
-        count,
-        np.ones_like(count),  # EVALS
-        np.zeros_like(count),  # LAST_CALL
-        calls,
-        np.where(count > 0, 0, -1),  # LAST_FAILED
-        call,
-        np.maximum(iteration, 0),
-        element,
-        device,
-    ]
-    batch = np.full((len(acc), BATCH_DEPTH), -1, np.int32)
-    full = np.concatenate([np.stack(columns, -1), batch, acc[:, 6:]], -1)
-    width = max(full.shape[1], states.shape[1])
-    pad = [(0, 0), (0, 0)]
-    return np.concatenate(
-        [
-            np.pad(full, pad[:1] + [(0, width - full.shape[1])]),
-            np.pad(states, pad[:1] + [(0, width - states.shape[1])]),
-        ]
-    ).astype(np.int32)
+    compact = np.concatenate([acc[:, :1], acc[:, 3:]], axis=1)  # an `_ONCE` row
+    full = _full(compact if once else None, states if len(states) else None, np)
+    full[:once, CALLS] = acc[:, 1]
+    full[:once, CALL] = acc[:, 2]
+    return full
 
 
 def _column(values: list) -> Any:

@@ -43,8 +43,7 @@ def _statistics(items: list[Item]) -> list[tuple]:
             out[i] = _details(item.pred_fn, item.operand, item.values, item.shape)
     if large:
         group = [items[i] for i in large]
-        operands = [lax.stop_gradient(item.operand) for item in group]
-        mesh = None if manual else _split_mesh(operands)
+        mesh = None if manual else _split_mesh([item.operand for item in group])
         if mesh is not None:
             stats = _split_statistics(mesh, group)
         else:
@@ -84,11 +83,15 @@ def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
     the branch takes the shares, not the whole operands: XLA need not lay those out
     anew for it."""
     explicit = set(mesh.axis_types) == {AxisType.Explicit}
-    operands, arrays = [], []  # per item: its operand, then its array values
+    # Per item: its operand, then its array values; where that operand is, and
+    # which of its values are arrays.
+    operands, starts, arrays, like = [], [], [], []
     for item in items:
         operand = lax.stop_gradient(item.operand)
         sharding = jax.typeof(operand).sharding
         arrays.append([i for i, v in enumerate(item.values) if jnp.shape(v)])
+        starts.append(len(operands))
+        like += [len(operands)] * (1 + len(arrays[-1]))
         operands.append(operand)
         for i in arrays[-1]:
             # Laid out as the operand, so that its blocks and theirs match.
@@ -102,13 +105,14 @@ def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
         axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
 
         def on_blocks(*blocks):
-            shares, at = [], 0
-            for item, values in zip(items, arrays):
-                spec, block = specs[at], blocks[at]
-                picked = blocks[at + 1 : at + 1 + len(values)]
-                at += 1 + len(values)
+            shares = []
+            for at, values in zip(starts, arrays):
+                spec, picked = specs[at], blocks[at + 1 : at + 1 + len(values)]
                 shares.append(
-                    (_share(block, spec, axes), [_share(b, spec, axes) for b in picked])
+                    (
+                        _share(blocks[at], spec, axes),
+                        [_share(b, spec, axes) for b in picked],
+                    )
                 )
             fails = [
                 jnp.logical_not(_screen(item)(share))
@@ -118,14 +122,10 @@ def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
             any_fail = _all_reduce(any_fail, axes, lax.pmax) > 0
 
             def details(shares):
-                out, at = [], 0
-                for item, (share, picked) in zip(items, shares):
-                    spec, block = specs[at], blocks[at]
-                    at += 1 + len(picked)
-                    out.append(
-                        _block_details(item, share, picked, block.shape, spec, mesh)
-                    )
-                return out
+                return [
+                    _block_details(item, *shared, blocks[at].shape, specs[at], mesh)
+                    for item, at, shared in zip(items, starts, shares)
+                ]
 
             def passing(shares):
                 zero = jnp.zeros((), jnp.int32)
@@ -140,17 +140,14 @@ def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
         return on_blocks
 
     def whole(*operands):
-        out, at = [], 0
-        for item, values in zip(items, arrays):
-            operand = operands[at]
+        out = []
+        for item, at, values in zip(items, starts, arrays):
             picked = list(operands[at + 1 : at + 1 + len(values)])
-            at += 1 + len(values)
-            fail = jnp.logical_not(item.pred_fn(operand))
+            fail = jnp.logical_not(item.pred_fn(operands[at]))
             out += _first_failure(fail, _flat_index(fail), picked)
         return tuple(out)
 
     outputs = sum(2 + len(a) for a in arrays)
-    like = [i for i, a in zip(_starts(arrays), arrays) for i in [i] * (1 + len(a))]
     found = iter(_on_blocks(mesh, local, whole, operands, outputs, like))
     stats = []
     for item, values in zip(items, arrays):
@@ -160,15 +157,6 @@ def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
             picked[i] = next(found)
         stats.append((count, first, *picked))
     return stats
-
-
-def _starts(arrays: list[list[int]]) -> list[int]:
-    """Where each item's operand is among `_split_statistics`'s operands."""
-    starts, at = [], 0
-    for a in arrays:
-        starts.append(at)
-        at += 1 + len(a)
-    return starts
 
 
 def _block_details(item: Item, share, picked: list, block_shape, spec, mesh):
@@ -182,15 +170,10 @@ def _block_details(item: Item, share, picked: list, block_shape, spec, mesh):
     if share.size == np.prod(block_shape):
         # Not sliced: a block repeated on other devices counts once, on the first.
         others = [(a, n) for a, n in axes if a not in _axes_of(spec)]
-        copy = jnp.zeros((), jnp.int32)
-        for a, n in others:
-            copy = copy * n + lax.axis_index(a)
-        count = jnp.where(copy == 0, count, 0)
+        count = jnp.where(_linear_index(others) == 0, count, 0)
     count = _all_reduce(count, axes, lax.psum)
     least = _all_reduce(first, axes, lax.pmin)
-    me = jnp.zeros((), jnp.int32)
-    for a, n in axes:
-        me = me * n + lax.axis_index(a)
+    me = _linear_index(axes)
     holder = _all_reduce(jnp.where(first == least, me, _BIG), axes, lax.pmin)
     # The values from the device holding the first failure, as words.
     values = [
@@ -429,10 +412,16 @@ def _share(block, spec, axes):
     copies = int(np.prod([n for _, n in others]))
     if copies == 1 or block.size % copies:
         return block
-    index = jnp.zeros((), jnp.int32)
-    for a, n in others:
-        index = index * n + lax.axis_index(a)
+    index = _linear_index(others)
     return lax.dynamic_index_in_dim(block.reshape(copies, -1), index, keepdims=False)
+
+
+def _linear_index(axes: list[tuple[str, int]]) -> Any:
+    """This device's row-major index along the mesh axes `axes` (name, size)."""
+    index = jnp.zeros((), jnp.int32)
+    for a, n in axes:
+        index = index * n + lax.axis_index(a)
+    return index
 
 
 def _global_index(block_shape: tuple, spec, mesh) -> Any:
@@ -558,9 +547,7 @@ def _all_reduce(x, manual, op):
 
 
 def _combine_devices(count, first, picked, manual):
-    device = jnp.zeros((), jnp.int32)
-    for a, n in manual:
-        device = device * n + lax.axis_index(a)
+    device = _linear_index(manual)
     failing = jnp.where(count > 0, device, _BIG)
     first_device = _all_reduce(failing, manual, lax.pmin)
     mine = device == first_device
