@@ -4,7 +4,7 @@ program is traced and makes what they found part of its outputs (`_compiled`); a
 
 A check made in the frame's own trace runs once per call: its statistics are its
 state, a few fused operations. A check on a small array also waits for the end of
-the trace, where one `lax.cond` computes the details of every such check. A check
+the trace, where a few operations compute the details of every such check. A check
 deeper in the program (a loop, `vmap`, `cond`, an inner `jit`, autodiff) may run any
 number of times: it accumulates into a Ref made in the trace.
 """
@@ -51,23 +51,24 @@ from ._jax_internals import current_trace, jit_parameters, new_ref_in
 # `checked(jax.jit(f))` runs as a `jax.jit` program that calls the function `f` wraps
 # with its checks recording into a `Frame`, and returns what they found with `f`'s
 # outputs. The program has no Refs among its inputs, so JAX dispatches it through
-# its C++ fast path. In "raise" mode it returns a flag, read after each call; in
-# "deferred" mode it adds what it found to the accumulated states it is given and
-# returns them, and nothing waits for the device until a flush.
+# its C++ fast path. In "raise" mode it returns its checks' counts, read after each
+# call; in "deferred" mode it adds what it found to the accumulated states it is
+# given and returns them, and nothing waits for the device until a flush.
 
 
 class Findings:
-    """What one compiled call found: its frame's flag and its sites' states (as
-    `Frame.packed()` made them). A pytree whose structure holds the frame, so the
-    jit cache gives it back."""
+    """What one compiled call found: how many elements failed at each of its
+    frame's sites (`Frame.counts`) and their states (as `Frame.packed()` made
+    them). A pytree whose structure holds the frame, so the jit cache gives it
+    back."""
 
-    def __init__(self, frame: "Frame", flag: Any, states: Any):
-        self.frame, self.flag, self.states = frame, flag, states
+    def __init__(self, frame: "Frame", counts: Any, states: Any):
+        self.frame, self.counts, self.states = frame, counts, states
 
 
 jax.tree_util.register_pytree_node(
     Findings,
-    lambda f: ((f.flag, f.states), f.frame),
+    lambda f: ((f.counts, f.states), f.frame),
     lambda frame, children: Findings(frame, *children),
 )
 
@@ -81,8 +82,8 @@ def _compiled(fn: Callable, scope: Scope) -> tuple[Callable, Callable] | None:
     called inside it would close over the checks' Refs, and JAX cannot discharge
     those from a jit with shardings):
 
-    - for "raise" mode, one that takes `fn`'s arguments and also returns a flag
-      and its checks' findings, `Findings`;
+    - for "raise" mode, one that takes `fn`'s arguments and also returns its
+      checks' findings, `Findings`;
     - for "deferred" mode, one that also takes the accumulated states of the
       scope's checks (donated), adds what this call found, and returns them: no
       output to keep per call, nothing to merge between calls.
@@ -101,7 +102,7 @@ def _compiled(fn: Callable, scope: Scope) -> tuple[Callable, Callable] | None:
     def raising(*args, **kwargs):
         frame, out = traced(*args, **kwargs)
         packed = frame.packed()
-        return out, Findings(frame, frame.failed(packed), packed)
+        return out, Findings(frame, frame.counts(packed), packed)
 
     def deferred(accumulated, *args, **kwargs):
         frame, out = traced(*args, **kwargs)
@@ -170,14 +171,13 @@ class Frame:
         """The checks of one `check` call made in the frame's own trace, with no
         manual mesh axes (see `owns_trace`).
 
-        A check on an array of up to `_SHARED_SIZE` elements keeps only its test
-        of whether anything failed in the passing program: the rest of its
-        statistics wait for the end of the trace, where one `lax.cond` computes
-        them for every such check (`_shared_details`), so that a program with many
-        checks compiles a few operations for all of them. The test is a reduction
-        per check (`Item.screen`), made now on its own layout on a mesh of several
-        devices; elsewhere, one `any` over all of them, stacked. Other checks are
-        evaluated now."""
+        A check on an array of up to `_SHARED_SIZE` elements waits for the end of
+        the trace, where its statistics are computed with those of every such
+        check (`_shared_details`), so that a program with many checks compiles a
+        few operations for all of them: on one device, on every call; on a mesh of
+        several devices, behind one `lax.cond` on whether any failed, which each
+        tests now on its own layout (a reduction per check, `Item.screen`). Other
+        checks are evaluated now."""
         budget = _SHARED_TOTAL - sum(
             np.prod(item.shape) for _, item in self.shared + self.screened
         )
@@ -231,7 +231,7 @@ class Frame:
         `states` those of the others' Refs; `_full` makes them whole states."""
         contents = [sites[0].state.ref[...] for sites in self.groups]
         once = [_evaluated_once([row for _, row in self.once])] if self.once else []
-        # Screened together, or (on a mesh) one by one (see `add_checks`).
+        # On one device on every call; on a mesh behind their screens (`add_checks`).
         for shared, screens in ((self.shared, None), (self.screened, self.screens)):
             if not shared:
                 continue
@@ -242,10 +242,12 @@ class Frame:
             once.append(jnp.concatenate([jnp.stack(columns, axis=1), words], axis=1))
         return _rows(once), _rows(contents)
 
-    def failed(self, packed: tuple[Any, Any]) -> Any:
-        """Whether any check failed, from what `packed()` returned."""
-        counts = [x[:, i] for x, i in zip(packed, (0, COUNT)) if x is not None]
-        return ft.reduce(jnp.logical_or, [jnp.any(c > 0) for c in counts], False)
+    def counts(self, packed: tuple[Any, Any]) -> Any:
+        """How many elements failed at each site, from what `packed()` returned:
+        what the host reads after a call in "raise" mode. A column of the rows, not
+        their `any`: a reduction would be one more kernel to compile."""
+        columns = [x[:, i] for x, i in zip(packed, (0, COUNT)) if x is not None]
+        return jnp.concatenate(columns) if columns else jnp.zeros(0, jnp.int32)
 
     def failures(self, packed: tuple[Any, Any], deferred: bool) -> list[Failure]:
         """The failures in `packed` (what `packed()` returned, or whole states), in

@@ -90,9 +90,9 @@ class Scope:
         raising, deferred = programs
         if mode == "raise":
             out, findings = raising(*args, **kwargs)
-            # The call's one wait for the device (`np.asarray` reads a flag in a
-            # fraction of the time `bool` takes).
-            if np.asarray(findings.flag):
+            # The call's one wait for the device (`np.asarray` reads in a fraction
+            # of the time `bool` takes).
+            if np.asarray(findings.counts).any():
                 failures = findings.frame.failures(findings.states, deferred=False)
                 raise CheckError(failures, when=f" in {self.name}")
             return out

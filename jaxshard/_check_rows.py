@@ -87,32 +87,40 @@ _SUMMED_STATE = (COUNT, CALLS)
 def _add_call(accumulated: Any, start: int, once: Any, states: Any) -> Any:
     """`accumulated` with one call's rows (those of `Frame.packed()`) merged in,
     from row `start`: per site, counts and failing calls summed, and the call's
-    failure kept if it is the site's first; and the call counted (row 0)."""
+    failure kept if it is the site's first; and the call counted (row 0).
+
+    One elementwise operation over the whole of `accumulated` (a few small
+    rows), which XLA fuses with the making of the call's rows into one kernel."""
     call = accumulated[0, 0]
+    blocks: list[tuple[Any, tuple]] = []  # a call's rows, and the columns summed
     if once is not None:
         count = once[:, :1]
-        fresh = jnp.concatenate(
-            [count, (count > 0).astype(jnp.int32), jnp.broadcast_to(call, count.shape)]
-            + [once[:, 1:]],
-            axis=1,
-        )
-        accumulated = _merge_rows(accumulated, start, fresh, _SUMMED_ONCE)
-        start += once.shape[0]
+        failed = (count > 0).astype(jnp.int32)
+        calls = jnp.broadcast_to(call, count.shape)
+        rows = jnp.concatenate([count, failed, calls, once[:, 1:]], axis=1)
+        blocks.append((rows, _SUMMED_ONCE))
     if states is not None:
         column = np.arange(states.shape[1])[None, :]
-        fresh = jnp.where(column == CALL, call, states)
-        accumulated = _merge_rows(accumulated, start, fresh, _SUMMED_STATE)
-    return accumulated.at[0, 0].add(1)
-
-
-def _merge_rows(accumulated: Any, start: int, fresh: Any, summed: tuple) -> Any:
-    """`accumulated` with `fresh` merged into its rows from `start`."""
-    rows, width = fresh.shape
-    old = accumulated[start : start + rows, :width]
-    column = np.arange(width)[None, :]
-    first = (old[:, :1] == 0) & (fresh[:, :1] > 0)  # the count is column 0
-    new = jnp.where(np.isin(column, summed), old + fresh, jnp.where(first, fresh, old))
-    return lax.dynamic_update_slice(accumulated, new, (start, 0))
+        blocks.append((jnp.where(column == CALL, call, states), _SUMMED_STATE))
+    height, width = accumulated.shape
+    row = lax.broadcasted_iota(jnp.int32, accumulated.shape, 0)
+    column = lax.broadcasted_iota(jnp.int32, accumulated.shape, 1)
+    summed, parts = jnp.zeros(accumulated.shape, bool), []
+    for rows, columns in blocks:
+        here = (row >= start) & (row < start + rows.shape[0])
+        for c in columns:
+            summed = summed | (here & (column == c))
+        parts.append(jnp.pad(rows, ((0, 0), (0, width - rows.shape[1]))))
+        start += rows.shape[0]
+    fresh = jnp.concatenate(parts)
+    fresh = jnp.pad(fresh, ((start - fresh.shape[0], height - start), (0, 0)))
+    # A site that has not failed takes the call's row whole: if the call did not
+    # fail either, the row is still one of a site that has not failed.
+    first = accumulated[:, :1] == 0  # the count is column 0
+    merged = jnp.where(
+        summed, accumulated + fresh, jnp.where(first, fresh, accumulated)
+    )
+    return merged + ((row == 0) & (column == 0)).astype(jnp.int32)
 
 
 def _accumulated_width(once: Any, states: Any) -> int:

@@ -192,16 +192,17 @@ def _block_details(item: Item, share, picked: list, block_shape, spec, mesh):
 def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, Any]:
     """`(count, first element, value words)` of each item (an array predicate, in
     the trace of a `checked` program, with no manual axes), as int32 `[items]`,
-    `[items]` and `[items, words]` arrays, computed behind one `lax.cond` for all
-    of them: on `any_fail`, or if it is `None`, on the predicates themselves.
+    `[items]` and `[items, words]` arrays, in a few operations whatever the number
+    of items: the failing elements of the predicates of each size class (the next
+    power of two) are stacked into one matrix, padded, with their values' words in
+    matrices alike, and one variadic reduction per class counts, locates and picks
+    the values for every row at once.
 
-    It compiles to a few operations whatever the number of items: the failing
-    elements of the predicates of each size class (the next power of two) are
-    stacked into one matrix, padded, and counted, located and looked up for the
-    values by row. Without `any_fail` the matrices are made on every call, and
-    their `any` decides (no reduction per predicate, but the predicates laid out
-    anew: for a single device); with it, only in the branch. They hold every
-    item's elements: keep the items small."""
+    Without `any_fail` (on one device), on every call: XLA compiles that into a few
+    kernels, where a `lax.cond` costs a kernel per operation in its branch and
+    compiles slower than the whole of it. With it (on a mesh, where stacking lays
+    the predicates out anew on every device), only when `any_fail` holds. The
+    matrices hold every item's elements: keep the items small."""
     width = max(sum(_words(v.dtype) for v in item.values) for item in items)
     classes: dict[int, list[int]] = {}
     for i, item in enumerate(items):
@@ -210,41 +211,31 @@ def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, 
     lengths = sorted(classes)
     order = [i for length in lengths for i in classes[length]]
 
-    def stacked_fails(operands):
-        return [
-            _stacked(
-                [
-                    _row(~items[i].pred_fn(operands[i]), length, False)
-                    for i in classes[length]
-                ]
-            )
-            for length in lengths
-        ]
-
-    def details(inputs):
-        fails, operands, values = inputs
-        if fails is None:
-            fails = stacked_fails(operands)
+    def details(operands, values):
         counts, firsts, words = [], [], []
-        for length, failed in zip(lengths, fails):
+        for length in lengths:
             members = classes[length]
-            picked = _stacked(
-                [_value_words(items[i], values[i], length, width) for i in members]
+            fails = _stacked(
+                [_row(~items[i].pred_fn(operands[i]), length, False) for i in members]
             )
-            index = lax.broadcasted_iota(jnp.int32, failed.shape, 1)
-            first = jnp.min(jnp.where(failed, index, _BIG), axis=1)
-            at = jnp.minimum(first, length - 1)[:, None, None]
-            counts.append(jnp.sum(failed, axis=1, dtype=jnp.int32))
+            per_item = [
+                _value_words(items[i], values[i], length, width) for i in members
+            ]
+            columns = [_stacked([c[k] for c in per_item]) for k in range(width)]
+            index = lax.broadcasted_iota(jnp.int32, fails.shape, 1)
+            count, first, *at = _first_failure(fails, index, columns, axis=1)
+            counts.append(count)
             firsts.append(first)
-            words.append(jnp.take_along_axis(picked, at, axis=1)[:, 0])
+            none = jnp.zeros((len(members), 0), jnp.int32)  # no value words
+            words.append(jnp.stack(at, axis=1) if at else none)
         out = tuple(jnp.concatenate(x) for x in (counts, firsts, words))
         if order == sorted(order):
             return out
         back = np.argsort(order)  # from size classes to the items' order
         return tuple(x[back] for x in out)
 
-    def passing(inputs):
-        del inputs
+    def passing(operands, values):
+        del operands, values
         n = len(items)
         return (jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32)) + (
             jnp.zeros((n, width), jnp.int32),
@@ -252,12 +243,9 @@ def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, 
 
     operands = [item.operand for item in items]
     values = [item.values for item in items]
-    fails = None
     if any_fail is None:
-        fails = stacked_fails(operands)
-        any_fail = functools_reduce(jnp.logical_or, [jnp.any(f) for f in fails])
-        operands = None
-    return lax.cond(any_fail, details, passing, (fails, operands, values))
+        return details(operands, values)
+    return lax.cond(any_fail, details, passing, operands, values)
 
 
 def _stacked(rows: list) -> Any:
@@ -288,13 +276,12 @@ def _row(x, length: int, fill) -> Any:
     return jnp.pad(x, [(0, length - x.size)], constant_values=fill)
 
 
-def _value_words(item: Item, values: list, length: int, width: int) -> Any:
-    """The values of `item` as int32 words, `[length, width]`: a row per element of
-    its predicate (padded), a column per word."""
+def _value_words(item: Item, values: list, length: int, width: int) -> list:
+    """The values of `item` as `width` columns of int32 words, each `[length]`: an
+    element per element of its predicate (padded), a column per word."""
     words = [jnp.broadcast_to(w, item.shape) for w in _encode(values)]
     columns = [_row(w, length, 0) for w in words]
-    columns += [jnp.zeros(length, jnp.int32)] * (width - len(columns))
-    return jnp.stack(columns, axis=1) if columns else jnp.zeros((length, 0), jnp.int32)
+    return columns + [jnp.zeros(length, jnp.int32)] * (width - len(columns))
 
 
 def _any_failure(items: list[Item], manual: list) -> Any:
@@ -469,12 +456,12 @@ def _details(pred_fn, operand, values, shape):
     return _first_failure(fail, _flat_index(fail), values)
 
 
-def _first_failure(fail, index, values) -> tuple:
+def _first_failure(fail, index, values, axis: int | None = None) -> tuple:
     """`(count, first failing index, *values there)` of `fail` (booleans, true
     where an element failed), `index` (the index to report for each element) and
-    `values` (each a scalar or of `fail`'s shape), in one variadic reduction: no
-    temporary array of `fail`'s size, which a program would hold for the branch
-    that reports failures on every call."""
+    `values` (each a scalar or of `fail`'s shape), over `axis` (or all of them), in
+    one variadic reduction: no temporary array of `fail`'s size, which a program
+    would hold for the branch that reports failures on every call."""
     # As int32 words: XLA refuses a reduction over several float precisions.
     words = [_encode([v]) for v in values if v.shape]
 
@@ -487,7 +474,8 @@ def _first_failure(fail, index, values) -> tuple:
     flat = [w for ws in words for w in ws]
     operands = (fail.astype(jnp.int32), jnp.where(fail, index, _BIG), *flat)
     inits = (np.int32(0), np.int32(_BIG)) + (np.int32(0),) * len(flat)
-    count, first, *at = lax.reduce(operands, inits, combine, tuple(range(fail.ndim)))
+    axes = tuple(range(fail.ndim)) if axis is None else (axis,)
+    count, first, *at = lax.reduce(operands, inits, combine, axes)
     at = iter(at)
     picked = [
         _from_words([next(at) for _ in range(len(_encode([v])))], v.dtype)
