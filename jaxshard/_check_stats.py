@@ -59,7 +59,7 @@ def _statistics(items: list[Item]) -> list[tuple]:
             def passing(inputs):
                 return [_passing(operand, values) for operand, values in inputs]
 
-            stats = lax.cond(any_fail, details, passing, inputs)
+            stats = _cond(any_fail, details, passing, inputs)
         for i, stat in zip(large, stats):
             out[i] = stat
     result = []
@@ -134,7 +134,7 @@ def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
                     for types in dtypes
                 ]
 
-            found = lax.cond(any_fail, details, passing, shares)
+            found = _cond(any_fail, details, passing, shares)
             return tuple(x for stats in found for x in stats)
 
         return on_blocks
@@ -245,7 +245,35 @@ def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, 
     values = [item.values for item in items]
     if any_fail is None:
         return details(operands, values)
-    return lax.cond(any_fail, details, passing, operands, values)
+    return _cond(any_fail, details, passing, operands, values)
+
+
+def _cond(pred, details: Callable, passing: Callable, *operands) -> Any:
+    """`lax.cond(pred, details, passing, *operands)`, whose branches return the
+    same structure of arrays, through one int32 array of their words: XLA's CPU
+    runtime copies each output of the branch taken, and a program whose checks
+    passed would copy a few scalars per check on every call (a microsecond or two
+    each: all that a passing check's details cost)."""
+    shapes = passing(*operands)  # constants, which XLA drops
+
+    def packed(branch):
+        def words(*operands):
+            leaves = jax.tree.leaves(branch(*operands))
+            return jnp.concatenate([jnp.ravel(w) for w in _encode(leaves)])
+
+        return words
+
+    words = lax.cond(pred, packed(details), packed(passing), *operands)
+    out, at = [], 0
+    for leaf in jax.tree.leaves(shapes):
+        n, size = _words(leaf.dtype), int(np.prod(jnp.shape(leaf)))
+        parts = [words[at + i * size : at + (i + 1) * size] for i in range(n)]
+        shape = jnp.shape(leaf)
+        out.append(
+            _from_words([p.reshape(shape) for p in parts], jnp.result_type(leaf))
+        )
+        at += n * size
+    return jax.tree.unflatten(jax.tree.structure(shapes), out)
 
 
 def _stacked(rows: list) -> Any:
