@@ -46,8 +46,9 @@
     device and on eight: deferred / flag vector and raise / checkify.
 (f) Compile time: a function of 64 floats making 10, 100 and 1,000 checks, scalar
     (`x[i] > -1 - i`) or over the array (`x * (i + 1) < 1e9`), each showing a value:
-    XLA's compile time with jaxshard, with checkify and with no checks, and per
-    check (over no checks).
+    XLA's compile time with jaxshard (the program of "raise" mode, and of
+    "deferred" mode), with checkify and with no checks, and per check (over no
+    checks); medians of 3 rounds, JAX's caches cleared before each compile.
 (g) First call: trace, compile and one step of each variant of (a), with JAX's
     caches cleared.
 
@@ -105,6 +106,7 @@ ROUNDS = {
     "wrapper": 2 if QUICK else 10,
     "shapes": 2 if QUICK else 6,
     "first": 2 if QUICK else 4,
+    "compile": 1 if QUICK else int(os.environ.get("COMPILE_ROUNDS", 3)),
 }
 FINITE_CALLS, WRAPPER_CALLS = (5, 50) if QUICK else (30, 200)
 
@@ -463,11 +465,12 @@ CHECK_COUNTS = (10, 100) if QUICK else (10, 100, 1000)
 
 def compile_times(n: int, kind: str) -> dict:
     """Seconds to trace and lower, and to compile (XLA), a function of 64 floats
-    making `n` checks, with jaxshard (`checked(jax.jit(f))`'s program, "raise"
-    mode), with checkify (`jax.jit(checkify.checkify(f))`), and without checks.
-    `kind` "scalar" checks `x[i] > -1 - i`; "array" checks `x * (i + 1) < 1e9`,
-    each with the value in the message. (`checked(...).lower` lowers the program a
-    checked call runs.)"""
+    making `n` checks: with jaxshard (the program `checked(jax.jit(f))` runs, in
+    "raise" and in "deferred" mode), with checkify (`jax.jit(checkify.checkify(f))`),
+    and without checks; the median of `ROUNDS["compile"]` rounds, in alternating
+    order, each with JAX's caches cleared. `kind` "scalar" checks `x[i] > -1 - i`;
+    "array" checks `x * (i + 1) < 1e9`, each with the value in the message.
+    (`checked(...).lower` lowers the program a checked call runs.)"""
     x = jax.device_put(jnp.arange(64.0), jax.devices()[0])
 
     def predicates(x):
@@ -491,21 +494,32 @@ def compile_times(n: int, kind: str) -> dict:
     def without(x):
         return x + 1
 
-    programs = {
-        "jaxshard": lambda: jaxshard.checked(jax.jit(with_jaxshard)),
-        "checkify": lambda: jax.jit(checkify.checkify(with_checkify)),
-        "no checks": lambda: jax.jit(without),
-    }
-    out = {}
-    with jaxshard.config(checks="raise"):
-        for name, program in programs.items():
+    def timed(program, mode="raise"):
+        def run():
+            jax.clear_caches()
             gc.collect()
-            start = time.perf_counter()
-            lowered = program().lower(x)
-            traced = time.perf_counter()
-            lowered.compile()
-            out[name] = (traced - start, time.perf_counter() - traced)
-    return out
+            with jaxshard.config(checks=mode):
+                start = time.perf_counter()
+                lowered = program().lower(x)
+                traced = time.perf_counter()
+                lowered.compile()
+            return traced - start, time.perf_counter() - traced
+
+        return run
+
+    runs = {
+        "jaxshard": timed(lambda: jaxshard.checked(jax.jit(with_jaxshard))),
+        "jaxshard deferred": timed(
+            lambda: jaxshard.checked(jax.jit(with_jaxshard)), "deferred"
+        ),
+        "checkify": timed(lambda: jax.jit(checkify.checkify(with_checkify))),
+        "no checks": timed(lambda: jax.jit(without)),
+    }
+    times = side_by_side(runs, ROUNDS["compile"])
+    return {
+        name: tuple(median(t[i] for t in times[name]) for i in range(2))
+        for name in runs
+    }
 
 
 # --- (g) first call ------------------------------------------------------------------
@@ -674,16 +688,17 @@ def main() -> int:
     print("targets: deferred/flag <= 1.00, raise/checkify <= 1.00", flush=True)
 
     # (f) compile time
-    rows = [("(f) compile, 64 floats", "jaxshard", "checkify", "no checks")]
-    rows[0] += ("jaxshard ms/check", "checkify ms/check", "trace+lower js/ck")
+    rows = [("(f) compile, 64 floats", "raise", "deferred", "checkify", "no checks")]
+    rows[0] += ("ms/check raise, deferred, checkify", "trace+lower js/ck")
     for kind in ("scalar", "array"):
         for n in CHECK_COUNTS:
             t = compile_times(n, kind)
-            per_check = [(t[k][1] - t["no checks"][1]) / n * 1e3 for k in t]
+            names = ("jaxshard", "jaxshard deferred", "checkify")
+            per_check = [(t[k][1] - t["no checks"][1]) / n * 1e3 for k in names]
             rows.append(
                 (f"{n} {kind} checks",)
                 + tuple(f"{t[k][1]:.2f} s" for k in t)
-                + tuple(f"{x:.1f}" for x in per_check[:2])
+                + (", ".join(f"{x:.1f}" for x in per_check),)
                 + (f"{t['jaxshard'][0]:.2f} / {t['checkify'][0]:.2f} s",)
             )
     print_table(rows)

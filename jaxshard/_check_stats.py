@@ -64,7 +64,7 @@ def _statistics(items: list[Item]) -> list[tuple]:
             out[i] = stat
     result = []
     for count, first, *picked in out:
-        device = jnp.full((), -1, jnp.int32)
+        device = np.int32(-1)
         if manual:
             count, first, device, picked = _combine_devices(
                 count, first, picked, manual
