@@ -64,7 +64,7 @@ measure something else). `equinox.error_if` on the dp-sharded labels makes XLA w
 an "Involuntary full rematerialization": the callback's branch lives on device 0.
 
 Run: `python benchmarks/bench_checks.py` (or `nox -s bench`); `--quick` for a smoke
-test.
+test; `--only=bf` for some parts only.
 """
 
 import functools as ft
@@ -98,6 +98,8 @@ BATCH, HIDDEN, LAYERS, CLASSES = 256, 512, 3, 10
 BATCHES = 4  # distinct batches, cycled through
 LR = 0.01
 QUICK = "--quick" in sys.argv[1:]  # a smoke test of the script, not a measurement
+# `--only=af`: only those parts (letters as below); all of them by default.
+ONLY = next((a[7:] for a in sys.argv[1:] if a.startswith("--only=")), "abcdefg")
 # Even numbers of rounds: each order (forward, backward) runs as often.
 STEPS = 20 if QUICK else 100
 ROUNDS = {
@@ -595,123 +597,141 @@ def main() -> int:
     loop_kind = "Auto" if why else "Explicit"
     if why:
         print(f"jaxshard's checks fail on the Explicit mesh ({why}); loop on Auto")
-    with jax.set_mesh(meshes[loop_kind]):
-        runs = loops(meshes[loop_kind])
-        for run in runs.values():  # compile (twice where an output feeds an input)
-            run(2)
-        runs = {name: ft.partial(run, STEPS) for name, run in runs.items()}
-        times = side_by_side(runs, ROUNDS["loop"])
-    rows = [(f"(a) {loop_kind} mesh", "ms/step", "x unchecked", "target")]
-    for name, t in times.items():
-        ratio = paired(times, name, "unchecked")
-        rows.append((name, f"{median(t) * 1e3:.2f}", f"{ratio:.3f}", TARGETS[name]))
-    print_table(rows)
-    floor = paired(times, "jaxshard deferred", "flag vector (floor)")
-    vs_checkify = paired(times, "jaxshard raise", "checkify, throw per step")
-    print(
-        f"jaxshard deferred / flag vector: {floor:.3f} (target <= 1.00); "
-        f"jaxshard raise / checkify: {vs_checkify:.3f} (target <= 1.00)",
-        flush=True,
-    )
+    if "a" in ONLY:
+        with jax.set_mesh(meshes[loop_kind]):
+            runs = loops(meshes[loop_kind])
+            for run in runs.values():  # compile (twice where an output feeds an input)
+                run(2)
+            runs = {name: ft.partial(run, STEPS) for name, run in runs.items()}
+            times = side_by_side(runs, ROUNDS["loop"])
+        rows = [(f"(a) {loop_kind} mesh", "ms/step", "x unchecked", "target")]
+        for name, t in times.items():
+            ratio = paired(times, name, "unchecked")
+            rows.append((name, f"{median(t) * 1e3:.2f}", f"{ratio:.3f}", TARGETS[name]))
+        print_table(rows)
+        floor = paired(times, "jaxshard deferred", "flag vector (floor)")
+        vs_checkify = paired(times, "jaxshard raise", "checkify, throw per step")
+        print(
+            f"jaxshard deferred / flag vector: {floor:.3f} (target <= 1.00); "
+            f"jaxshard raise / checkify: {vs_checkify:.3f} (target <= 1.00)",
+            flush=True,
+        )
 
     # (b) check_finite alone; (c) the wrapper alone
-    rows = [("", "jaxshard", "naive", "ratio", "target")]
-    for kind, mesh in meshes.items():
-        with jax.set_mesh(mesh):
-            runs, failed = finite_runs(mesh)
+    if "b" in ONLY or "c" in ONLY:
+        rows = [("", "jaxshard", "naive", "ratio", "target")]
+        for kind, mesh in meshes.items():
+            with jax.set_mesh(mesh):
+                runs, failed = finite_runs(mesh)
+                for run in runs.values():
+                    run()
+                times = side_by_side(runs, ROUNDS["finite"])
+            for tree in ("replicated", "dp-sharded"):
+                what = f"(b) check_finite, {tree} tree, {kind} mesh"
+                if f"{tree}, jaxshard" not in times:
+                    rows.append((what, "fails", "-", "-", failed))
+                    continue
+                a, b = times[f"{tree}, jaxshard"], times[f"{tree}, naive"]
+                ratio = paired(times, f"{tree}, jaxshard", f"{tree}, naive")
+                rows.append(
+                    (what, f"{median(a) * 1e3:.2f} ms", f"{median(b) * 1e3:.2f} ms")
+                    + (f"{ratio:.3f}", "< 1")
+                )
+        with jax.set_mesh(meshes[loop_kind]):
+            runs = wrapper_runs(meshes[loop_kind])
             for run in runs.values():
                 run()
-            times = side_by_side(runs, ROUNDS["finite"])
-        for tree in ("replicated", "dp-sharded"):
-            what = f"(b) check_finite, {tree} tree, {kind} mesh"
-            if f"{tree}, jaxshard" not in times:
-                rows.append((what, "fails", "-", "-", failed))
-                continue
-            a, b = times[f"{tree}, jaxshard"], times[f"{tree}, naive"]
-            ratio = paired(times, f"{tree}, jaxshard", f"{tree}, naive")
-            rows.append(
-                (what, f"{median(a) * 1e3:.2f} ms", f"{median(b) * 1e3:.2f} ms")
-                + (f"{ratio:.3f}", "< 1")
+            times = side_by_side(runs, ROUNDS["wrapper"])
+        a, b = times["checked"], times["plain"]
+        extra = (median(a) - median(b)) * 1e6
+        rows.append(
+            (f"(c) checked(jit(f)), no checks, vs jit(f), {loop_kind} mesh",)
+            + (f"{median(a) * 1e6:.0f} us", f"{median(b) * 1e6:.0f} us")
+            + (
+                f"{paired(times, 'checked', 'plain'):.3f}",
+                f"- (+{extra:.0f} us per call)",
             )
-    with jax.set_mesh(meshes[loop_kind]):
-        runs = wrapper_runs(meshes[loop_kind])
-        for run in runs.values():
-            run()
-        times = side_by_side(runs, ROUNDS["wrapper"])
-    a, b = times["checked"], times["plain"]
-    extra = (median(a) - median(b)) * 1e6
-    rows.append(
-        (f"(c) checked(jit(f)), no checks, vs jit(f), {loop_kind} mesh",)
-        + (f"{median(a) * 1e6:.0f} us", f"{median(b) * 1e6:.0f} us")
-        + (f"{paired(times, 'checked', 'plain'):.3f}", f"- (+{extra:.0f} us per call)")
-    )
-    print_table(rows)
+        )
+        print_table(rows)
 
     # (d) dispatch on one device
-    rows = [("(d) host time per call, one device", "checked", "baseline", "extra")]
-    rows[0] += ("over flag vector", "wrapper alone", "target")
-    for kind in ("small", "mlp"):
-        for mode, target in DISPATCH_TARGETS.items():
-            times = dispatch_times(mode, kind)
-            a, b = times["checked"], times["baseline"]
-            extra = median([x - y for x, y in zip(a, b)]) * 1e6
-            over = "-"
-            if "flag vector" in times:
-                floor = times["flag vector"]
-                over = f"{median([x - y for x, y in zip(a, floor)]) * 1e6:+.1f} us"
-            # What the wrapper adds on the host to the program it runs ("off" runs
-            # the function without checks: the baseline's program).
-            program = times.get("program", b)
-            alone = median([x - y for x, y in zip(a, program)]) * 1e6
-            what = "x + 1 vs jit(x + 1)" if kind == "small" else "MLP step vs jit(step)"
-            what += f", {mode}"
-            rows.append(
-                (what, f"{median(a) * 1e6:.1f} us", f"{median(b) * 1e6:.1f} us")
-                + (f"{extra:+.1f} us", over, f"{alone:+.1f} us", f"<= +{target} us")
-            )
-    print_table(rows)
+    if "d" in ONLY:
+        rows = [("(d) host time per call, one device", "checked", "baseline", "extra")]
+        rows[0] += ("over flag vector", "wrapper alone", "target")
+        for kind in ("small", "mlp"):
+            for mode, target in DISPATCH_TARGETS.items():
+                times = dispatch_times(mode, kind)
+                a, b = times["checked"], times["baseline"]
+                extra = median([x - y for x, y in zip(a, b)]) * 1e6
+                over = "-"
+                if "flag vector" in times:
+                    floor = times["flag vector"]
+                    over = f"{median([x - y for x, y in zip(a, floor)]) * 1e6:+.1f} us"
+                # What the wrapper adds on the host to the program it runs ("off" runs
+                # the function without checks: the baseline's program).
+                program = times.get("program", b)
+                alone = median([x - y for x, y in zip(a, program)]) * 1e6
+                what = (
+                    "x + 1 vs jit(x + 1)"
+                    if kind == "small"
+                    else "MLP step vs jit(step)"
+                )
+                what += f", {mode}"
+                rows.append(
+                    (what, f"{median(a) * 1e6:.1f} us", f"{median(b) * 1e6:.1f} us")
+                    + (f"{extra:+.1f} us", over, f"{alone:+.1f} us", f"<= +{target} us")
+                )
+        print_table(rows)
 
     # (e) loops shaped differently
-    rows = [("(e) devices, width, steps", "deferred/flag", "raise/checkify")]
-    rows[0] += ("off/unchecked", "flag/unchecked", "ms/step unchecked")
-    for devices, width, steps in SHAPES:
-        times = shaped_loops(devices, width, steps)
-        rows.append(
-            (f"{devices}, {LAYERS}x{width}, {steps}",)
-            + (f"{paired(times, 'jaxshard deferred', 'flag vector (floor)'):.3f}",)
-            + (f"{paired(times, 'jaxshard raise', 'checkify, throw per step'):.3f}",)
-            + (f"{paired(times, 'jaxshard off', 'unchecked'):.3f}",)
-            + (f"{paired(times, 'flag vector (floor)', 'unchecked'):.3f}",)
-            + (f"{median(times['unchecked']) * 1e3:.2f}",)
-        )
-    print_table(rows)
-    print("targets: deferred/flag <= 1.00, raise/checkify <= 1.00", flush=True)
+    if "e" in ONLY:
+        rows = [("(e) devices, width, steps", "deferred/flag", "raise/checkify")]
+        rows[0] += ("off/unchecked", "flag/unchecked", "ms/step unchecked")
+        for devices, width, steps in SHAPES:
+            times = shaped_loops(devices, width, steps)
+            pairs = [
+                ("jaxshard deferred", "flag vector (floor)"),
+                ("jaxshard raise", "checkify, throw per step"),
+                ("jaxshard off", "unchecked"),
+                ("flag vector (floor)", "unchecked"),
+            ]
+            rows.append(
+                (f"{devices}, {LAYERS}x{width}, {steps}",)
+                + tuple(f"{paired(times, a, b):.3f}" for a, b in pairs)
+                + (f"{median(times['unchecked']) * 1e3:.2f}",)
+            )
+        print_table(rows)
+        print("targets: deferred/flag <= 1.00, raise/checkify <= 1.00", flush=True)
 
     # (f) compile time
-    rows = [("(f) compile, 64 floats", "raise", "deferred", "checkify", "no checks")]
-    rows[0] += ("ms/check raise, deferred, checkify", "trace+lower js/ck")
-    for kind in ("scalar", "array"):
-        for n in CHECK_COUNTS:
-            t = compile_times(n, kind)
-            names = ("jaxshard", "jaxshard deferred", "checkify")
-            per_check = [(t[k][1] - t["no checks"][1]) / n * 1e3 for k in names]
-            rows.append(
-                (f"{n} {kind} checks",)
-                + tuple(f"{t[k][1]:.2f} s" for k in t)
-                + (", ".join(f"{x:.1f}" for x in per_check),)
-                + (f"{t['jaxshard'][0]:.2f} / {t['checkify'][0]:.2f} s",)
-            )
-    print_table(rows)
-    print("target: jaxshard ms/check <= checkify ms/check", flush=True)
+    if "f" in ONLY:
+        rows = [
+            ("(f) compile, 64 floats", "raise", "deferred", "checkify", "no checks")
+        ]
+        rows[0] += ("ms/check raise, deferred, checkify", "trace+lower js/ck")
+        for kind in ("scalar", "array"):
+            for n in CHECK_COUNTS:
+                t = compile_times(n, kind)
+                names = ("jaxshard", "jaxshard deferred", "checkify")
+                per_check = [(t[k][1] - t["no checks"][1]) / n * 1e3 for k in names]
+                rows.append(
+                    (f"{n} {kind} checks",)
+                    + tuple(f"{t[k][1]:.2f} s" for k in t)
+                    + (", ".join(f"{x:.1f}" for x in per_check),)
+                    + (f"{t['jaxshard'][0]:.2f} / {t['checkify'][0]:.2f} s",)
+                )
+        print_table(rows)
+        print("target: jaxshard ms/check <= checkify ms/check", flush=True)
 
     # (g) first call
-    with jax.set_mesh(meshes[loop_kind]):
-        times = first_calls(meshes[loop_kind])
-    rows = [(f"(g) first call, {loop_kind} mesh", "s", "x unchecked")]
-    for name, t in times.items():
-        ratio = paired(times, name, "unchecked")
-        rows.append((name, f"{median(t):.2f}", f"{ratio:.2f}"))
-    print_table(rows)
+    if "g" in ONLY:
+        with jax.set_mesh(meshes[loop_kind]):
+            times = first_calls(meshes[loop_kind])
+        rows = [(f"(g) first call, {loop_kind} mesh", "s", "x unchecked")]
+        for name, t in times.items():
+            ratio = paired(times, name, "unchecked")
+            rows.append((name, f"{median(t):.2f}", f"{ratio:.2f}"))
+        print_table(rows)
     seconds = time.perf_counter() - started
     print(f"({seconds:.0f} s; medians over rounds; ratios paired within rounds)")
     return 0

@@ -216,12 +216,15 @@ def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, 
         for length in lengths:
             members = classes[length]
             fails = _stacked(
-                [_row(~items[i].pred_fn(operands[i]), length, False) for i in members]
+                [_row(~items[i].pred_fn(operands[i]), length, False) for i in members],
+                fused=4,
             )
             per_item = [
                 _value_words(items[i], values[i], length, width) for i in members
             ]
-            columns = [_stacked([c[k] for c in per_item]) for k in range(width)]
+            columns = [
+                _stacked([c[k] for c in per_item], fused=4) for k in range(width)
+            ]
             index = lax.broadcasted_iota(jnp.int32, fails.shape, 1)
             count, first, *at = _first_failure(fails, index, columns, axis=1)
             counts.append(count)
@@ -276,22 +279,21 @@ def _cond(pred, details: Callable, passing: Callable, *operands) -> Any:
     return jax.tree.unflatten(jax.tree.structure(shapes), out)
 
 
-def _stacked(rows: list) -> Any:
-    """`jnp.stack(rows)`, eight at a time behind an optimisation barrier: XLA's CPU
-    compiler fuses the operations making up to eight rows into their
+def _stacked(rows: list, fused: int = 8) -> Any:
+    """`jnp.stack(rows)`, `fused` at a time behind an optimisation barrier: XLA's
+    CPU compiler fuses the operations making up to eight rows into their
     concatenation (one kernel), but compiles a kernel per row when more are
-    concatenated at once, and a kernel costs milliseconds to compile."""
-    if len(rows) <= _FUSED:
+    concatenated at once, and a kernel costs milliseconds to compile. Rows of
+    arrays go four at a time: jax 0.12's XLA compiles a kernel making eight such
+    rows in more time than two making four each."""
+    if len(rows) <= fused:
         return jnp.stack(rows)
     return jnp.concatenate(
         [
-            lax.optimization_barrier(jnp.stack(rows[i : i + _FUSED]))
-            for i in range(0, len(rows), _FUSED)
+            lax.optimization_barrier(jnp.stack(rows[i : i + fused]))
+            for i in range(0, len(rows), fused)
         ]
     )
-
-
-_FUSED = 8
 
 
 def _row(x, length: int, fill) -> Any:
