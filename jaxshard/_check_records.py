@@ -33,6 +33,7 @@ from ._check_state import (
     State,
     STATE_SIZE,
 )
+from ._check_stats import _linear_index
 from ._jax_internals import (
     accumulate,
     context_mesh,
@@ -295,9 +296,7 @@ def _accumulate(state: State, flag: Any, call: Any, rows: list[tuple]) -> None:
 def _fallback(site: Site, row: tuple, in_shard_map: bool = False) -> None:
     count, element, device, _, words = row
     # Inside shard_map every device has the same statistics: one of them reports.
-    me = jnp.zeros((), jnp.int32)
-    for axis, size in site.device_axes if in_shard_map else ():
-        me = me * size + jax.lax.axis_index(axis)
+    me = _linear_index(list(site.device_axes) if in_shard_map else [])
     jax.debug.callback(
         ft.partial(_raise_from_callback, site), me, count, element, device, *words
     )
