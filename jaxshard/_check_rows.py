@@ -90,7 +90,8 @@ def _add_call(accumulated: Any, start: int, once: Any, states: Any) -> Any:
     failure kept if it is the site's first; and the call counted (row 0).
 
     One elementwise operation over the whole of `accumulated` (a few small
-    rows), which XLA fuses with the making of the call's rows into one kernel."""
+    rows) rather than slices and updates of it: two kernels to compile, the
+    call's rows and the merge."""
     call = accumulated[0, 0]
     blocks: list[tuple[Any, tuple]] = []  # a call's rows, and the columns summed
     if once is not None:
