@@ -108,7 +108,7 @@ ROUNDS = {
     "wrapper": 2 if QUICK else 10,
     "shapes": 2 if QUICK else 6,
     "first": 2 if QUICK else 4,
-    "compile": 1 if QUICK else int(os.environ.get("COMPILE_ROUNDS", 3)),
+    "compile": 1 if QUICK else 3,
 }
 FINITE_CALLS, WRAPPER_CALLS = (5, 50) if QUICK else (30, 200)
 

@@ -269,12 +269,10 @@ def _cond(pred, details: Callable, passing: Callable, *operands) -> Any:
     words = lax.cond(pred, packed(details), packed(passing), *operands)
     out, at = [], 0
     for leaf in jax.tree.leaves(shapes):
-        n, size = _words(leaf.dtype), int(np.prod(jnp.shape(leaf)))
+        shape, dtype = jnp.shape(leaf), jnp.result_type(leaf)
+        n, size = _words(dtype), int(np.prod(shape))
         parts = [words[at + i * size : at + (i + 1) * size] for i in range(n)]
-        shape = jnp.shape(leaf)
-        out.append(
-            _from_words([p.reshape(shape) for p in parts], jnp.result_type(leaf))
-        )
+        out.append(_from_words([p.reshape(shape) for p in parts], dtype))
         at += n * size
     return jax.tree.unflatten(jax.tree.structure(shapes), out)
 
