@@ -51,24 +51,23 @@ from ._jax_internals import current_trace, jit_parameters, new_ref_in
 # `checked(jax.jit(f))` runs as a `jax.jit` program that calls the function `f` wraps
 # with its checks recording into a `Frame`, and returns what they found with `f`'s
 # outputs. The program has no Refs among its inputs, so JAX dispatches it through
-# its C++ fast path. In "raise" mode it returns its checks' counts, read after each
+# its C++ fast path. In "raise" mode it returns its checks' rows, read after each
 # call; in "deferred" mode it adds what it found to the accumulated states it is
 # given and returns them, and nothing waits for the device until a flush.
 
 
 class Findings:
-    """What one compiled call found: how many elements failed at each of its
-    frame's sites (`Frame.counts`) and their states (as `Frame.packed()` made
-    them). A pytree whose structure holds the frame, so the jit cache gives it
+    """What one compiled call found: its frame's rows (what `Frame.packed()`
+    made). A pytree whose structure holds the frame, so the jit cache gives it
     back."""
 
-    def __init__(self, frame: "Frame", counts: Any, states: Any):
-        self.frame, self.counts, self.states = frame, counts, states
+    def __init__(self, frame: "Frame", packed: tuple[Any, Any]):
+        self.frame, self.packed = frame, packed
 
 
 jax.tree_util.register_pytree_node(
     Findings,
-    lambda f: ((f.counts, f.states), f.frame),
+    lambda f: ((f.packed,), f.frame),
     lambda frame, children: Findings(frame, *children),
 )
 
@@ -102,18 +101,18 @@ def _compiled(fn: Callable, scope: Scope) -> tuple[Callable, Callable] | None:
     def raising(*args, **kwargs):
         frame, out = traced(*args, **kwargs)
         packed = frame.packed()
-        return out, Findings(frame, frame.counts(packed), packed)
+        return out, Findings(frame, packed)
 
     def deferred(accumulated, *args, **kwargs):
         frame, out = traced(*args, **kwargs)
-        once, states = frame.packed()
-        rows = sum(x.shape[0] for x in (once, states) if x is not None)
-        if not rows:  # no check
+        rows, matrices, states = frame.parts()
+        once = len(rows) + sum(m.shape[0] for m in matrices)
+        total = once + (0 if states is None else states.shape[0])
+        if not total:  # no check
             return out, accumulated
-        once_rows = 0 if once is None else once.shape[0]
-        width = _accumulated_width(once, states)
-        start = scope.place(frame, rows, once_rows, width, accumulated.shape)
-        return out, _add_call(accumulated, start, once, states)
+        width = _accumulated_width(rows, matrices, states)
+        start = scope.place(frame, total, once, width, accumulated.shape)
+        return out, _add_call(accumulated, start, rows, matrices, states)
 
     kept = {k: v for k, v in params.items() if k not in ("fun", "out_shardings")}
     if "out_shardings" in params:
@@ -224,13 +223,16 @@ class Frame:
         once = [site for site, _ in self.once + self.shared + self.screened]
         return once + [s for g in self.groups for s in g]
 
-    def packed(self) -> tuple[Any, Any]:
-        """What the checks found, as the trace's output: `(once, states)`, int32
-        arrays with a row per site (or `None`, for no site). `once` holds the
-        statistics of the checks made in the trace itself (see `_evaluated_once`),
-        `states` those of the others' Refs; `_full` makes them whole states."""
+    def parts(self) -> tuple[list, list, Any]:
+        """What the checks found, in parts: `(rows, matrices, states)`. `rows`,
+        those made in the trace itself, `[count, element, device, iteration,
+        *words]` each (int32 scalars, traced or not); `matrices`, those of the
+        checks on small arrays (see `add_checks`), int32[sites, 4 + words] each;
+        `states`, those of the others' Refs (an int32 array with a row per site,
+        or `None`)."""
         contents = [sites[0].state.ref[...] for sites in self.groups]
-        once = [_evaluated_once([row for _, row in self.once])] if self.once else []
+        rows = [[*row[:_ONCE], *row[_ONCE]] for _, row in self.once]
+        matrices = []
         # On one device on every call; on a mesh behind their screens (`add_checks`).
         for shared, screens in ((self.shared, None), (self.screened, self.screens)):
             if not shared:
@@ -239,15 +241,20 @@ class Frame:
             count, first, words = _shared_details([i for _, i in shared], any_fail)
             minus_one = np.full(len(shared), -1, np.int32)
             columns = [count, first, minus_one, minus_one]  # device, iteration
-            once.append(jnp.concatenate([jnp.stack(columns, axis=1), words], axis=1))
-        return _rows(once), _rows(contents)
+            matrices.append(
+                jnp.concatenate([jnp.stack(columns, axis=1), words], axis=1)
+            )
+        return rows, matrices, _rows(contents)
 
-    def counts(self, packed: tuple[Any, Any]) -> Any:
-        """How many elements failed at each site, from what `packed()` returned:
-        what the host reads after a call in "raise" mode. A column of the rows, not
-        their `any`: a reduction would be one more kernel to compile."""
-        columns = [x[:, i] for x, i in zip(packed, (0, COUNT)) if x is not None]
-        return jnp.concatenate(columns) if columns else jnp.zeros(0, jnp.int32)
+    def packed(self) -> tuple[Any, Any]:
+        """What the checks found, as the trace's output: `(once, states)`, int32
+        arrays with a row per site (or `None`, for no site). `once` holds the
+        statistics of the checks made in the trace itself (see `_evaluated_once`)
+        and of those on small arrays, `states` those of the others' Refs; `_full`
+        makes them whole states."""
+        rows, matrices, states = self.parts()
+        once = ([_evaluated_once(rows)] if rows else []) + matrices
+        return _rows(once), states
 
     def failures(self, packed: tuple[Any, Any], deferred: bool) -> list[Failure]:
         """The failures in `packed` (what `packed()` returned, or whole states), in

@@ -20,23 +20,55 @@ from ._check_stats import _stacked
 _ONCE = 4  # COUNT, ELEMENT, DEVICE, ITERATION
 
 
-def _evaluated_once(rows: list[tuple]) -> Any:
-    """The statistics of sites evaluated once, `(count, element, device,
-    iteration, words)` each, as one int32[sites, 4 + words] array.
+def _evaluated_once(rows: list[list]) -> Any:
+    """The statistics of sites evaluated once, `[count, element, device,
+    iteration, *words]` each (int32 scalars, traced or not), as one
+    int32[sites, 4 + words] array.
 
-    Each statistic of a site goes into one column and nothing else, and everything
+    Each statistic of a site goes into one element and nothing else, and everything
     derived from them waits for `_full`: XLA then fuses each site's few operations
-    into the columns' concatenations, rather than compiling a kernel per site (the
-    compile time of a thousand checks)."""
-    sites = len(rows)
+    into the one operation making the matrix (`_selected`, for a few sites) or the
+    columns' concatenations, rather than compiling a kernel per site (the compile
+    time of a thousand checks)."""
+    if len(rows) <= _SELECTED:
+        return _selected(rows)
+    width = max(map(len, rows))
+    rows = [[*r, *[0] * (width - len(r))] for r in rows]
     columns = [_column([r[i] for r in rows]) for i in range(_ONCE)]
-    width = max(len(row[4]) for row in rows)
-    words = _column(
-        [w for row in rows for w in [*row[4], *[0] * (width - len(row[4]))]]
-    )
-    return jnp.concatenate(
-        [jnp.stack(columns, axis=1), jnp.reshape(words, (sites, width))], axis=1
-    )
+    words = _column([w for r in rows for w in r[_ONCE:]])
+    words = jnp.reshape(words, (len(rows), width - _ONCE))
+    return jnp.concatenate([jnp.stack(columns, axis=1), words], axis=1)
+
+
+# Up to this many once-evaluated sites go into one operation, `_selected`; more,
+# into concatenations (`_stacked`): the selects grow with the square of the sites.
+_SELECTED = 16
+
+
+def _selected(rows: list[list], shape: tuple | None = None, start: int = 0) -> Any:
+    """`rows` (of int32 scalars, traced or not; missing ones 0) as an int32 array
+    of `shape`, from its row `start` (the rest 0), in one elementwise operation:
+    each element picks its value from a chain of selects on where it is. XLA
+    compiles that as one kernel, where concatenating the values would take
+    several (see `_stacked`), each milliseconds to compile."""
+    if shape is None:
+        shape = (len(rows), max(map(len, rows)))
+    fixed = np.zeros(shape, np.int32)
+    traced = []
+    for i, row in enumerate(rows, start):
+        for j, v in enumerate(row):
+            if isinstance(v, jax.core.Tracer):
+                traced.append((i, j, v))
+            else:
+                fixed[i, j] = np.asarray(v)
+    if not traced:
+        return fixed
+    row = lax.broadcasted_iota(jnp.int32, shape, 0)
+    column = lax.broadcasted_iota(jnp.int32, shape, 1)
+    out = jnp.asarray(fixed)
+    for i, j, v in traced:
+        out = jnp.where((row == i) & (column == j), jnp.asarray(v, jnp.int32), out)
+    return out
 
 
 def _full(once: Any, states: Any, xp=jnp) -> Any:
@@ -80,53 +112,73 @@ def _full(once: Any, states: Any, xp=jnp) -> Any:
 # row with two columns inserted after the count: the calls on which it failed, and
 # the call of its first failure. It becomes a whole state only on the host
 # (`_from_accumulated`): the program merges a few columns, not whole states.
-_SUMMED_ONCE = (0, 1)  # the count, and the calls that failed
-_SUMMED_STATE = (COUNT, CALLS)
+_SUMMED_ONCE = [0, 1]  # the count, and the calls that failed
+_SUMMED_STATE = [COUNT, CALLS]
 
 
-def _add_call(accumulated: Any, start: int, once: Any, states: Any) -> Any:
-    """`accumulated` with one call's rows (those of `Frame.packed()`) merged in,
-    from row `start`: per site, counts and failing calls summed, and the call's
-    failure kept if it is the site's first; and the call counted (row 0).
+def _add_call(
+    accumulated: Any, start: int, rows: list, matrices: list, states: Any
+) -> Any:
+    """`accumulated` with one call's findings (`Frame.parts()`) merged in, from
+    row `start`: per site, counts and failing calls summed, and the call's failure
+    kept if it is the site's first; and the call counted (row 0).
 
     One elementwise operation over the whole of `accumulated` (a few small
-    rows) rather than slices and updates of it: two kernels to compile, the
-    call's rows and the merge."""
+    rows) rather than slices and updates of it. A few once-evaluated sites' rows,
+    lists of scalars, go straight into it (`_selected`)."""
     call = accumulated[0, 0]
-    blocks: list[tuple[Any, tuple]] = []  # a call's rows, and the columns summed
-    if once is not None:
+    height, width = accumulated.shape
+    if len(rows) > _SELECTED:
+        rows, matrices = [], [_evaluated_once(rows), *matrices]
+    summed = np.zeros(accumulated.shape, bool)  # where the columns summed are
+    fresh: Any = 0
+    if rows:
+        # Column 2, the call, is the same in every row: one select, below.
+        rows = [[r[0], _failed(r[0]), 0, *r[1:]] for r in rows]
+        summed[start : start + len(rows), _SUMMED_ONCE] = True
+        fresh = _selected(rows, accumulated.shape, start)
+        where = np.zeros(accumulated.shape, bool)
+        where[start : start + len(rows), 2] = True
+        fresh = jnp.where(where, call, fresh)
+    blocks = []  # rows of the accumulated layout, and the columns summed
+    for once in matrices:
         count = once[:, :1]
-        failed = (count > 0).astype(jnp.int32)
         calls = jnp.broadcast_to(call, count.shape)
-        rows = jnp.concatenate([count, failed, calls, once[:, 1:]], axis=1)
-        blocks.append((rows, _SUMMED_ONCE))
+        merged = jnp.concatenate([count, _failed(count), calls, once[:, 1:]], axis=1)
+        blocks.append((merged, _SUMMED_ONCE))
     if states is not None:
         column = np.arange(states.shape[1])[None, :]
         blocks.append((jnp.where(column == CALL, call, states), _SUMMED_STATE))
-    height, width = accumulated.shape
-    row = lax.broadcasted_iota(jnp.int32, accumulated.shape, 0)
-    column = lax.broadcasted_iota(jnp.int32, accumulated.shape, 1)
-    summed, parts = jnp.zeros(accumulated.shape, bool), []
-    for rows, columns in blocks:
-        here = (row >= start) & (row < start + rows.shape[0])
-        for c in columns:
-            summed = summed | (here & (column == c))
-        parts.append(jnp.pad(rows, ((0, 0), (0, width - rows.shape[1]))))
-        start += rows.shape[0]
-    fresh = jnp.concatenate(parts)
-    fresh = jnp.pad(fresh, ((start - fresh.shape[0], height - start), (0, 0)))
+    if blocks:
+        at = begin = start + len(rows)
+        parts = []
+        for block, columns in blocks:
+            summed[at : at + block.shape[0], columns] = True
+            parts.append(jnp.pad(block, ((0, 0), (0, width - block.shape[1]))))
+            at += block.shape[0]
+        padding = ((begin, height - at), (0, 0))
+        fresh = fresh + jnp.pad(jnp.concatenate(parts), padding)
     # A site that has not failed takes the call's row whole: if the call did not
     # fail either, the row is still one of a site that has not failed.
     first = accumulated[:, :1] == 0  # the count is column 0
     merged = jnp.where(
         summed, accumulated + fresh, jnp.where(first, fresh, accumulated)
     )
-    return merged + ((row == 0) & (column == 0)).astype(jnp.int32)
+    counted = np.zeros(accumulated.shape, np.int32)
+    counted[0, 0] = 1
+    return merged + counted
 
 
-def _accumulated_width(once: Any, states: Any) -> int:
-    """The columns `_add_call` writes for these rows."""
-    widths = [0 if once is None else once.shape[1] + 2]
+def _failed(count: Any) -> Any:
+    """1 where `count` (traced or not) is positive, else 0, as int32."""
+    if isinstance(count, jax.core.Tracer):
+        return (count > 0).astype(jnp.int32)
+    return (np.asarray(count) > 0).astype(np.int32)
+
+
+def _accumulated_width(rows: list, matrices: list, states: Any) -> int:
+    """The columns `_add_call` writes for these findings (`Frame.parts()`)."""
+    widths = [len(r) + 2 for r in rows] + [m.shape[1] + 2 for m in matrices]
     return max(widths + [0 if states is None else states.shape[1]])
 
 

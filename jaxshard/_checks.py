@@ -4,7 +4,7 @@ ready-made checks.
 A check inside a `checked` call is an error flag: it computes its predicate, and
 records what it found (how many elements failed, where the first one is, the values
 there) on the device, in the same program. Nothing waits for the device: in "raise"
-mode the `checked` wrapper reads the checks' counts after each call; in "deferred"
+mode the `checked` wrapper reads the checks' findings after each call; in "deferred"
 mode nothing is read until `flush_checks()`. Where the findings live, and who reads
 them, is in `_check_records`.
 """
@@ -69,9 +69,9 @@ def checked(fn: Callable) -> Callable:
 
     Each check made while `fn` runs (inside `jax.jit`, `vmap`, loops, `grad`, ...)
     computes its predicate in the same compiled program and records what it found on
-    the device. After the call, in the default "raise" mode, the checks' counts are
-    read and a `jaxshard.CheckError` is raised listing every failed check, in program
-    order. In "deferred" mode (`jaxshard.config(checks="deferred")`, or inside
+    the device. After the call, in the default "raise" mode, the checks' findings
+    are read and a `jaxshard.CheckError` is raised listing every failed check, in
+    program order. In "deferred" mode (`jaxshard.config(checks="deferred")`, or inside
     `jaxshard.deferred_checks()`) nothing is read: failures accumulate on the device
     until `jaxshard.flush_checks()`. In "off" mode checks are not even traced.
 

@@ -413,7 +413,7 @@ def _shard_map(fn: Callable, mesh: Any, what: str, kwargs: dict) -> Callable:
         # whose tree structure holds the frame (so jit's cache gives it back).
         with shard_map_checks() as frame:
             out = body(*args)
-        return out, Findings(frame, None, frame.packed())
+        return out, Findings(frame, frame.packed())
 
     kwargs["out_specs"] = (kwargs["out_specs"], PartitionSpec())
     mapped = jax.shard_map(body_with_checks, mesh=mesh, **kwargs)
@@ -424,7 +424,7 @@ def _shard_map(fn: Callable, mesh: Any, what: str, kwargs: dict) -> Callable:
     @ft.wraps(fn)
     def wrapper(*args):
         out, found = (mapped if in_trace() else compiled)(*args)
-        found.frame.forward(found.states)
+        found.frame.forward(found.packed)
         return out
 
     return wrapper

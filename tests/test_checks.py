@@ -931,6 +931,52 @@ def test_a_thousand_checks():
     assert [x.message for x in found] == [f"check {i}" for i in range(990, 1000)]
 
 
+@pytest.mark.parametrize("mode", ["raise", "deferred"])
+@pytest.mark.parametrize("sites", [1, 16, 17, 40])
+def test_checks_made_once_beside_others(sites, mode):
+    """However many checks a program makes in its own trace (put together in one
+    operation up to sixteen, concatenated beyond), and beside a check on a small
+    array and one in a loop: every failure keeps its count, values, iteration and,
+    in deferred mode, its calls and the call of its first failure."""
+
+    @jaxshard.checked
+    @jax.jit
+    def f(x, bad):
+        for i in range(sites):
+            jaxshard.check(x[i % 8] != bad, "site {i}: {v}", i=jnp.int32(i), v=x[i % 8])
+        jaxshard.check(x != bad, "array {x}", x=x)
+
+        def step(carry, y):
+            jaxshard.check(y != bad, "loop {y}", y=y)
+            return carry, None
+
+        jax.lax.scan(step, 0, x)
+        return x
+
+    x = jnp.arange(8)
+    failing = [i for i in range(sites) if i % 8 == 3]
+    expected = [f"site {i}: 3" for i in failing] + ["array 3", "loop 3"]
+    if mode == "raise":
+        f(x, 100)
+        found = failures(f, x, 3)
+        assert [x.message for x in found] == expected
+        assert [x.count for x in found] == [1] * len(failing) + [1, 1]
+        assert found[-1].iteration == 3 and found[-2].element == (3,)
+        return
+    with jaxshard.deferred_checks():
+        jaxshard.flush_checks()
+        f(x, 100)
+        f(x, 3)
+        f(x, 100)
+        f(x, 3)
+        with pytest.raises(jaxshard.CheckError) as e:
+            jaxshard.flush_checks()
+    found = e.value.failures
+    assert [x.message for x in found] == expected
+    assert [(x.calls, x.call, x.count) for x in found] == [(2, 1, 2)] * len(found)
+    assert found[-1].iteration == 3 and found[-2].element == (3,)
+
+
 @pytest.mark.parametrize("where", ["no mesh", "auto", "explicit"])
 def test_many_checks_of_every_size_and_value_type(where):
     """Checks on small arrays of several sizes (sharing their details), larger ones
