@@ -64,6 +64,16 @@ class Findings:
     def __init__(self, frame: "Frame", packed: tuple[Any, Any]):
         self.frame, self.packed = frame, packed
 
+    def read(self) -> tuple[tuple[Any, Any], bool]:
+        """The rows, read from the device (the call's one wait: returning their
+        count column too would be one more kernel to compile), and whether any
+        check failed."""
+        once, states = jax.device_get(self.packed)
+        failed = (once is not None and once[:, 0].any()) or (
+            states is not None and states[:, COUNT].any()
+        )
+        return (once, states), bool(failed)
+
 
 jax.tree_util.register_pytree_node(
     Findings,

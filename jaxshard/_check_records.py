@@ -91,12 +91,9 @@ class Scope:
         raising, deferred = programs
         if mode == "raise":
             out, findings = raising(*args, **kwargs)
-            # The call's one wait for the device: its rows, whole. Returning their
-            # count column too would be one more kernel to compile.
-            once, states = jax.device_get(findings.packed)
-            counts = [x[:, i] for x, i in ((once, 0), (states, COUNT)) if x is not None]
-            if any(c.any() for c in counts):
-                failures = findings.frame.failures((once, states), deferred=False)
+            rows, failed = findings.read()
+            if failed:
+                failures = findings.frame.failures(rows, deferred=False)
                 raise CheckError(failures, when=f" in {self.name}")
             return out
         accumulated = self._accumulated
