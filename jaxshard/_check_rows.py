@@ -63,11 +63,12 @@ def _selected(rows: list[list], shape: tuple | None = None, start: int = 0) -> A
                 fixed[i, j] = np.asarray(v)
     if not traced:
         return fixed
-    row = lax.broadcasted_iota(jnp.int32, shape, 0)
-    column = lax.broadcasted_iota(jnp.int32, shape, 1)
+    rows_at = lax.broadcasted_iota(jnp.int32, shape, 0)
+    columns_at = lax.broadcasted_iota(jnp.int32, shape, 1)
     out = jnp.asarray(fixed)
     for i, j, v in traced:
-        out = jnp.where((row == i) & (column == j), jnp.asarray(v, jnp.int32), out)
+        here = (rows_at == i) & (columns_at == j)
+        out = jnp.where(here, jnp.asarray(v, jnp.int32), out)
     return out
 
 
@@ -114,6 +115,7 @@ def _full(once: Any, states: Any, xp=jnp) -> Any:
 # (`_from_accumulated`): the program merges a few columns, not whole states.
 _SUMMED_ONCE = [0, 1]  # the count, and the calls that failed
 _SUMMED_STATE = [COUNT, CALLS]
+_CALL_ONCE = 2  # the call of the first failure
 
 
 def _add_call(
@@ -131,33 +133,33 @@ def _add_call(
     if len(rows) > _SELECTED:
         rows, matrices = [], [_evaluated_once(rows), *matrices]
     summed = np.zeros(accumulated.shape, bool)  # where the columns summed are
+    calls = np.zeros(accumulated.shape, bool)  # where the call goes
     fresh: Any = 0
     if rows:
-        # Column 2, the call, is the same in every row: one select, below.
         rows = [[r[0], _failed(r[0]), 0, *r[1:]] for r in rows]
         summed[start : start + len(rows), _SUMMED_ONCE] = True
+        calls[start : start + len(rows), _CALL_ONCE] = True
         fresh = _selected(rows, accumulated.shape, start)
-        where = np.zeros(accumulated.shape, bool)
-        where[start : start + len(rows), 2] = True
-        fresh = jnp.where(where, call, fresh)
-    blocks = []  # rows of the accumulated layout, and the columns summed
+    # Rows of the accumulated layout, the columns summed, and the call's column.
+    blocks = []
     for once in matrices:
         count = once[:, :1]
-        calls = jnp.broadcast_to(call, count.shape)
-        merged = jnp.concatenate([count, _failed(count), calls, once[:, 1:]], axis=1)
-        blocks.append((merged, _SUMMED_ONCE))
+        zero = jnp.zeros_like(count)
+        laid = jnp.concatenate([count, _failed(count), zero, once[:, 1:]], axis=1)
+        blocks.append((laid, _SUMMED_ONCE, _CALL_ONCE))
     if states is not None:
-        column = np.arange(states.shape[1])[None, :]
-        blocks.append((jnp.where(column == CALL, call, states), _SUMMED_STATE))
+        blocks.append((states, _SUMMED_STATE, CALL))
     if blocks:
         at = begin = start + len(rows)
         parts = []
-        for block, columns in blocks:
+        for block, columns, column in blocks:
             summed[at : at + block.shape[0], columns] = True
+            calls[at : at + block.shape[0], column] = True
             parts.append(jnp.pad(block, ((0, 0), (0, width - block.shape[1]))))
             at += block.shape[0]
         padding = ((begin, height - at), (0, 0))
         fresh = fresh + jnp.pad(jnp.concatenate(parts), padding)
+    fresh = jnp.where(calls, call, fresh)
     # A site that has not failed takes the call's row whole: if the call did not
     # fail either, the row is still one of a site that has not failed.
     first = accumulated[:, :1] == 0  # the count is column 0
