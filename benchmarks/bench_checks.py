@@ -406,26 +406,16 @@ def dispatch_times(mode: str, kind: str) -> dict:
 def _program_alone(f, mode: str, args: tuple):
     """The program `checked(jax.jit(f))` runs in `mode`, called as `jax.jit` calls
     it, with only what the wrapper cannot do without: in "raise" mode the rows
-    read, in "deferred" mode the accumulated states passed on. (jaxshard's own
-    internals: the benchmark's way to tell the wrapper's host time from the
-    program's.)"""
+    read; in "deferred" mode nothing. (jaxshard's own internals: the benchmark's way
+    to tell the wrapper's host time from the program's.)"""
     from jaxshard._check_frames import _compiled
-    from jaxshard._check_records import Scope
 
-    scope = Scope("alone")
-    raising, deferred = _compiled(jax.jit(f), scope)
-    if mode == "raise":
-
-        def call(*args):
-            out, findings = raising(*args)
-            assert not findings.read()[1]
-            return out
-
-        return call
-    scope.run_compiled((raising, deferred), mode, args, {})  # room for its rows
+    program = _compiled(jax.jit(f))
 
     def call(*args):
-        out, scope._accumulated = deferred(scope._accumulated, *args)
+        out, findings = program(*args)
+        if mode == "raise":
+            assert not findings.read()[1]
         return out
 
     return call

@@ -12,6 +12,7 @@ number of times: it accumulates into a Ref made in the trace.
 import contextlib
 import dataclasses
 import functools as ft
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,15 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _config
-from ._check_records import _accumulate, _fallback, _record, Scope
-from ._check_rows import (
-    _accumulated_width,
-    _add_call,
-    _evaluated_once,
-    _full,
-    _ONCE,
-    _rows,
-)
+from ._check_records import _accumulate, _fallback, _record
+from ._check_rows import _evaluated_once, _full, _ONCE, _rows
 from ._check_sites import Failure, Site
 from ._check_state import (
     _encode,
@@ -51,9 +45,9 @@ from ._jax_internals import current_trace, jit_parameters, new_ref_in
 # `checked(jax.jit(f))` runs as a `jax.jit` program that calls the function `f` wraps
 # with its checks recording into a `Frame`, and returns what they found with `f`'s
 # outputs. The program has no Refs among its inputs, so JAX dispatches it through
-# its C++ fast path. In "raise" mode it returns its checks' rows, read after each
-# call; in "deferred" mode it adds what it found to the accumulated states it is
-# given and returns them, and nothing waits for the device until a flush.
+# its C++ fast path. It returns its checks' rows: in "raise" mode they are read after
+# each call; in "deferred" mode the wrapper keeps them and reads those of calls the
+# device has finished, at later calls, so the host never waits until a flush.
 
 
 class Findings:
@@ -75,6 +69,10 @@ class Findings:
         )
         return (once, states), bool(failed)
 
+    def ready(self) -> bool:
+        """Whether the device has made the rows (reading them would not wait)."""
+        return all(x is None or x.is_ready() for x in self.packed)
+
 
 jax.tree_util.register_pytree_node(
     Findings,
@@ -83,61 +81,29 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def _compiled(fn: Callable, scope: Scope) -> tuple[Callable, Callable] | None:
-    """`fn` as programs that also return what its checks found, if `fn` is a
-    `jax.jit` function; else `None`.
+def _compiled(fn: Callable) -> Callable | None:
+    """`fn` as a program that also returns what its checks found, `Findings`, if
+    `fn` is a `jax.jit` function; else `None`.
 
-    Two programs, `jax.jit` of the function `fn` wraps, with `fn`'s static and
-    donated arguments and its `in_shardings` and `out_shardings` (a jitted function
-    called inside it would close over the checks' Refs, and JAX cannot discharge
-    those from a jit with shardings):
-
-    - for "raise" mode, one that takes `fn`'s arguments and also returns its
-      checks' findings, `Findings`;
-    - for "deferred" mode, one that also takes the accumulated states of the
-      scope's checks (donated), adds what this call found, and returns them: no
-      output to keep per call, nothing to merge between calls.
-    """
+    `jax.jit` of the function `fn` wraps, with `fn`'s static and donated arguments
+    and its `in_shardings` and `out_shardings` (a jitted function called inside it
+    would close over the checks' Refs, and JAX cannot discharge those from a jit
+    with shardings). Both modes run it (see `Scope.run_compiled`)."""
     params = jit_parameters(fn)
     if params is None:
         return None
     fun = params["fun"]
 
-    def traced(*args, **kwargs):
+    def program(*args, **kwargs):
         frame = Frame()
         with _config.overriding(check_scope=frame):
             out = fun(*args, **kwargs)
-        return frame, out
-
-    def raising(*args, **kwargs):
-        frame, out = traced(*args, **kwargs)
-        packed = frame.packed()
-        return out, Findings(frame, packed)
-
-    def deferred(accumulated, *args, **kwargs):
-        frame, out = traced(*args, **kwargs)
-        rows, matrices, states = frame.parts()
-        once = len(rows) + sum(m.shape[0] for m in matrices)
-        total = once + (0 if states is None else states.shape[0])
-        if not total:  # no check
-            return out, accumulated
-        width = _accumulated_width(rows, matrices, states)
-        start = scope.place(frame, total, once, width, accumulated.shape)
-        return out, _add_call(accumulated, start, rows, matrices, states)
+        return out, Findings(frame, frame.packed())
 
     kept = {k: v for k, v in params.items() if k not in ("fun", "out_shardings")}
     if "out_shardings" in params:
         kept["out_shardings"] = (params["out_shardings"], None)
-    shifted = {
-        "static_argnums": tuple(i + 1 for i in params["static_argnums"]),
-        "donate_argnums": (0,) + tuple(i + 1 for i in params["donate_argnums"]),
-    }
-    if "in_shardings" in params:
-        given = params["in_shardings"]
-        # One per argument, or one for all: the accumulated states lie where the
-        # program runs.
-        shifted["in_shardings"] = (None, *given) if isinstance(given, tuple) else given
-    return jax.jit(raising, **kept), jax.jit(deferred, **{**kept, **shifted})
+    return jax.jit(program, **kept)
 
 
 class _Frames(threading.local):
@@ -146,6 +112,7 @@ class _Frames(threading.local):
 
 
 _frames = _Frames()
+_numbers = itertools.count()
 
 
 class Frame:
@@ -160,6 +127,7 @@ class Frame:
 
     def __init__(self):
         self.trace = current_trace()
+        self.number = next(_numbers)  # frames report in the order they were made
         self.flag = new_ref_in(self.trace, np.zeros((), bool))
         # The call index, 0 here: a compiled call's is set when its findings are
         # folded, and a shard_map body's findings take the call's outside.

@@ -9,6 +9,7 @@ jit, scan, vmap and autodiff.
 """
 
 import atexit
+import collections
 import dataclasses
 import functools as ft
 import threading
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._check_rows import _from_accumulated
+from ._check_rows import _add_found, _full
 from ._check_sites import CheckError, Failure, Site
 from ._check_state import (
     _INITIAL,
@@ -31,14 +32,12 @@ from ._check_state import (
     DEVICE,
     ELEMENT,
     State,
-    STATE_SIZE,
 )
 from ._check_stats import _linear_index
 from ._jax_internals import (
     accumulate,
     context_mesh,
     drop_callback_errors,
-    is_device_mismatch,
     new_ref_outside_traces,
     ref_contents,
     set_ref_contents,
@@ -46,7 +45,7 @@ from ._jax_internals import (
 
 
 if TYPE_CHECKING:
-    from ._check_frames import Frame
+    from ._check_frames import Findings, Frame
 
 
 _generation = [0]  # bumped when deferred counting restarts: call indices start at 0
@@ -69,14 +68,11 @@ class Scope:
         self._generation = -1
         self._call = -1
         self._lock = threading.Lock()
-        # Compiled calls in deferred mode: the accumulated states of every site of
-        # every trace, as rows of one array (row 0 counts the calls), and where each
-        # trace's rows begin.
-        self._accumulated: Any = None
-        self._rows: dict["Frame", tuple[int, int, int]] = {}
-        # Its shape, which changes only when a trace does not fit (each shape is
-        # part of the programs' cache keys).
-        self._shape = (16, STATE_SIZE + 2)
+        # Compiled calls in deferred mode: the findings not read yet, with their
+        # calls' indices, and per frame (trace) the failures read so far, as whole
+        # states (`_add_found`).
+        self._pending: collections.deque[tuple[int, "Findings"]] = collections.deque()
+        self._found: dict["Frame", np.ndarray] = {}
 
     def next_call(self) -> int:
         if self._generation != _generation[0]:
@@ -85,84 +81,39 @@ class Scope:
         self._call += 1
         return self._call
 
-    def run_compiled(self, programs: tuple, mode: str, args, kwargs) -> Any:
-        """Calls one of `programs` (see `_compiled`) and reads, or keeps, what it
-        found."""
-        raising, deferred = programs
+    def run_compiled(self, program: Any, mode: str, args, kwargs) -> Any:
+        """Calls `program` (see `_compiled`) and reads what it found: in "raise"
+        mode at once; in "deferred" mode only that of calls the device has
+        finished, so the host never waits."""
+        out, findings = program(*args, **kwargs)
         if mode == "raise":
-            out, findings = raising(*args, **kwargs)
             rows, failed = findings.read()
             if failed:
                 failures = findings.frame.failures(rows, deferred=False)
                 raise CheckError(failures, when=f" in {self.name}")
             return out
-        accumulated = self._accumulated
-        if accumulated is None:
-            accumulated = self._fresh(args, kwargs)
-        elif self._generation != _generation[0]:  # call indices start again
-            accumulated = _restart_count(accumulated)
-        self._generation = _generation[0]
-        try:
-            out, self._accumulated = deferred(accumulated, *args, **kwargs)
-        except _Grow as grow:
-            self._grow(accumulated, grow)
-            return self.run_compiled(programs, mode, args, kwargs)
-        except ValueError as e:
-            if not is_device_mismatch(e):
-                raise
-            # The program runs on other devices than the last: take the states
-            # there (a read and a copy, once).
-            kept = np.asarray(accumulated)
-            self._accumulated = jax.device_put(kept, _placement(args, kwargs))
-            return self.run_compiled(programs, mode, args, kwargs)
+        call = self.next_call()
+        if findings.packed != (None, None):  # a program with checks
+            for x in findings.packed:
+                # Off the CPU, copied to the host as soon as they are made: the
+                # read at a later call then does not wait for the copy.
+                if x is not None and not _in_host_memory(x.sharding):
+                    x.copy_to_host_async()
+            self._pending.append((call, findings))
+            self._read_pending(wait=False)
         return out
 
-    def place(
-        self, frame: "Frame", rows: int, once: int, width: int, shape: tuple
-    ) -> int:
-        """Where the accumulated rows of a trace begin (called while it is traced,
-        with the shape of the accumulated states it is given): after the rows of
-        the traces before it. The first `once` rows are those of sites evaluated
-        once per call (see `_add_call`). Raises `_Grow` if they do not fit."""
-        if frame not in self._rows:
-            start = 1 + sum(n for _, n, _ in self._rows.values())
-            if start + rows > shape[0] or width > shape[1]:
-                raise _Grow(start + rows, width)
-            self._rows[frame] = (start, rows, once)
-        return self._rows[frame][0]
-
-    def abstract_states(self, args: tuple, kwargs: dict) -> Any:
-        """The accumulated states a call with these arguments would be given, as an
-        abstract array (their shape, and where they would be)."""
-        sharding = _placement(args, kwargs)
-        return jax.ShapeDtypeStruct(self._shape, np.int32, sharding=sharding)
-
-    def _fresh(self, args: tuple, kwargs: dict) -> Any:
-        """Zero states, where the call's program runs."""
-        zeros = np.zeros(self._shape, np.int32)
-        return jax.device_put(zeros, _placement(args, kwargs))
-
-    def _grow(self, accumulated: Any, grow: "_Grow") -> None:
-        """Room for `grow`'s rows and width, twice what is needed, with the states
-        so far if there are any (a read and a copy: when a new trace does not
-        fit)."""
-        rows = self._shape[0] if grow.rows <= self._shape[0] else 2 * grow.rows
-        self._shape = (rows, max(self._shape[1], grow.width))
-        if accumulated is not None:
-            old = np.asarray(accumulated)
-            new = np.zeros(self._shape, np.int32)
-            new[: old.shape[0], : old.shape[1]] = old
-            self._accumulated = jax.device_put(new, accumulated.sharding)
-
-    def lower_deferred(self, deferred: Any, args: tuple, kwargs: dict) -> Any:
-        """The deferred program for these arguments, lowered, with room for its
-        rows in the accumulated states."""
-        try:
-            states = self.abstract_states(args, kwargs)
-            return deferred.lower(states, *args, **kwargs)
-        except _Grow as grow:
-            self._grow(self._accumulated, grow)
-            return self.lower_deferred(deferred, args, kwargs)
+    def _read_pending(self, wait: bool) -> None:
+        """Reads the findings of the calls the device has finished (of every call
+        if `wait`), in call order, and keeps their failures."""
+        pending = self._pending
+        while pending and (wait or pending[0][1].ready()):
+            call, findings = pending.popleft()
+            rows, failed = findings.read()
+            if failed:
+                frame = findings.frame
+                found = _full(*rows, np)
+                self._found[frame] = _add_found(self._found.get(frame), found, call)
 
     def refs(self) -> tuple[Any, Any]:
         """The flag and call counter for the current placement."""
@@ -194,14 +145,11 @@ class Scope:
 
     def take_failures(self, deferred: bool) -> list[Failure]:
         """The failures recorded so far, in program order; clears them."""
+        self._read_pending(wait=True)  # the one wait for the device
         failures = []
-        if self._accumulated is not None:
-            accumulated = np.asarray(self._accumulated)  # the one wait for the device
-            self._accumulated = None
-            for frame, (start, rows, once) in self._rows.items():
-                if start + rows <= accumulated.shape[0]:
-                    block = accumulated[start : start + rows]
-                    failures += frame.failures(_from_accumulated(block, once), deferred)
+        for frame in sorted(self._found, key=lambda frame: frame.number):
+            failures += frame.failures(self._found[frame], deferred)
+        self._found.clear()
         return failures + self._take_ref_failures(deferred)
 
     def _take_ref_failures(self, deferred: bool) -> list[Failure]:
@@ -243,21 +191,13 @@ def _placement(args: tuple, kwargs: dict) -> Any:
 
 
 @ft.lru_cache(maxsize=64)
+def _in_host_memory(sharding: Any) -> bool:
+    return all(device.platform == "cpu" for device in sharding.device_set)
+
+
+@ft.lru_cache(maxsize=64)
 def _replicated(mesh: Any) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
-
-
-class _Grow(Exception):
-    """Raised while a trace is made, when its rows do not fit in the accumulated
-    states it is given: the wrapper makes room and calls again."""
-
-    def __init__(self, rows: int, width: int):
-        self.rows, self.width = rows, width
-
-
-@jax.jit
-def _restart_count(accumulated: Any) -> Any:
-    return accumulated.at[0, 0].set(0)
 
 
 def _record(scope: Scope, sites: list[Site], rows: list[tuple]) -> None:

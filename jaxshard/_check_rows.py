@@ -1,8 +1,9 @@
 """The findings of a checked program, as rows: what its checks made in its own trace
-return (`_evaluated_once`), and those made whole states (`_full`).
+return (`_evaluated_once`), those made whole states (`_full`), and the states of
+calls in deferred mode added up on the host (`_add_found`).
 
-A row per check site; the columns are those of `_check_state`'s state. Everything
-here runs with `xp` either `jax.numpy` (inside a program) or `numpy` (on the host).
+A row per check site; the columns are those of `_check_state`'s state. `_full` runs
+with `xp` either `jax.numpy` (inside a program) or `numpy` (on the host).
 """
 
 from typing import Any
@@ -45,17 +46,16 @@ def _evaluated_once(rows: list[list]) -> Any:
 _SELECTED = 16
 
 
-def _selected(rows: list[list], shape: tuple | None = None, start: int = 0) -> Any:
-    """`rows` (of int32 scalars, traced or not; missing ones 0) as an int32 array
-    of `shape`, from its row `start` (the rest 0), in one elementwise operation:
-    each element picks its value from a chain of selects on where it is. XLA
-    compiles that as one kernel, where concatenating the values would take
-    several (see `_stacked`), each milliseconds to compile."""
-    if shape is None:
-        shape = (len(rows), max(map(len, rows)))
+def _selected(rows: list[list]) -> Any:
+    """`rows` (of int32 scalars, traced or not; missing ones 0) as an int32 array,
+    in one elementwise operation: each element picks its value from a chain of
+    selects on where it is. XLA compiles that as one kernel, where concatenating
+    the values would take several (see `_stacked`), each milliseconds to
+    compile."""
+    shape = (len(rows), max(map(len, rows)))
     fixed = np.zeros(shape, np.int32)
     traced = []
-    for i, row in enumerate(rows, start):
+    for i, row in enumerate(rows):
         for j, v in enumerate(row):
             if isinstance(v, jax.core.Tracer):
                 traced.append((i, j, v))
@@ -108,91 +108,19 @@ def _full(once: Any, states: Any, xp=jnp) -> Any:
     )
 
 
-# In deferred mode the rows of a compiled call are added into states accumulated
-# over calls (`_add_call`). A once-evaluated site's accumulated row is its `_ONCE`
-# row with two columns inserted after the count: the calls on which it failed, and
-# the call of its first failure. It becomes a whole state only on the host
-# (`_from_accumulated`): the program merges a few columns, not whole states.
-_SUMMED_ONCE = [0, 1]  # the count, and the calls that failed
-_SUMMED_STATE = [COUNT, CALLS]
-_CALL_ONCE = 2  # the call of the first failure
-
-
-def _add_call(
-    accumulated: Any, start: int, rows: list, matrices: list, states: Any
-) -> Any:
-    """`accumulated` with one call's findings (`Frame.parts()`) merged in, from
-    row `start`: per site, counts and failing calls summed, and the call's failure
-    kept if it is the site's first; and the call counted (row 0).
-
-    One elementwise operation over the whole of `accumulated` (a few small
-    rows) rather than slices and updates of it. A few once-evaluated sites' rows,
-    lists of scalars, go straight into it (`_selected`)."""
-    call = accumulated[0, 0]
-    height, width = accumulated.shape
-    if len(rows) > _SELECTED:
-        rows, matrices = [], [_evaluated_once(rows), *matrices]
-    summed = np.zeros(accumulated.shape, bool)  # where the columns summed are
-    calls = np.zeros(accumulated.shape, bool)  # where the call goes
-    fresh: Any = 0
-    if rows:
-        rows = [[r[0], _failed(r[0]), 0, *r[1:]] for r in rows]
-        summed[start : start + len(rows), _SUMMED_ONCE] = True
-        calls[start : start + len(rows), _CALL_ONCE] = True
-        fresh = _selected(rows, accumulated.shape, start)
-    # Rows of the accumulated layout, the columns summed, and the call's column.
-    blocks = []
-    for once in matrices:
-        count = once[:, :1]
-        zero = jnp.zeros_like(count)
-        laid = jnp.concatenate([count, _failed(count), zero, once[:, 1:]], axis=1)
-        blocks.append((laid, _SUMMED_ONCE, _CALL_ONCE))
-    if states is not None:
-        blocks.append((states, _SUMMED_STATE, CALL))
-    if blocks:
-        at = begin = start + len(rows)
-        parts = []
-        for block, columns, column in blocks:
-            summed[at : at + block.shape[0], columns] = True
-            calls[at : at + block.shape[0], column] = True
-            parts.append(jnp.pad(block, ((0, 0), (0, width - block.shape[1]))))
-            at += block.shape[0]
-        padding = ((begin, height - at), (0, 0))
-        fresh = fresh + jnp.pad(jnp.concatenate(parts), padding)
-    fresh = jnp.where(calls, call, fresh)
-    # A site that has not failed takes the call's row whole: if the call did not
-    # fail either, the row is still one of a site that has not failed.
-    first = accumulated[:, :1] == 0  # the count is column 0
-    merged = jnp.where(
-        summed, accumulated + fresh, jnp.where(first, fresh, accumulated)
-    )
-    counted = np.zeros(accumulated.shape, np.int32)
-    counted[0, 0] = 1
-    return merged + counted
-
-
-def _failed(count: Any) -> Any:
-    """1 where `count` (traced or not) is positive, else 0, as int32."""
-    if isinstance(count, jax.core.Tracer):
-        return (count > 0).astype(jnp.int32)
-    return (np.asarray(count) > 0).astype(np.int32)
-
-
-def _accumulated_width(rows: list, matrices: list, states: Any) -> int:
-    """The columns `_add_call` writes for these findings (`Frame.parts()`)."""
-    widths = [len(r) + 2 for r in rows] + [m.shape[1] + 2 for m in matrices]
-    return max(widths + [0 if states is None else states.shape[1]])
-
-
-def _from_accumulated(rows: np.ndarray, once: int) -> np.ndarray:
-    """Whole states (as `_full` makes them) from a frame's accumulated rows, the
-    first `once` of which are once-evaluated sites' (see `_add_call`)."""
-    acc, states = rows[:once], rows[once:]
-    compact = np.concatenate([acc[:, :1], acc[:, 3:]], axis=1)  # an `_ONCE` row
-    full = _full(compact if once else None, states if len(states) else None, np)
-    full[:once, CALLS] = acc[:, 1]
-    full[:once, CALL] = acc[:, 2]
-    return full
+def _add_found(found: np.ndarray | None, call_found: np.ndarray, call: int) -> Any:
+    """The whole states `found` of a frame's sites over earlier calls (or `None`),
+    with those of call number `call` (`_full` of what it returned) added, on the
+    host: per site, the elements and the calls that failed summed, and the rest
+    kept from its first failing call."""
+    call_found[:, CALL] = np.where(call_found[:, COUNT] > 0, call, -1)
+    if found is None:
+        return call_found
+    first = found[:, COUNT] == 0
+    added = np.where(first[:, None], call_found, found)
+    for column in (COUNT, CALLS):
+        added[:, column] = found[:, column] + call_found[:, column]
+    return added
 
 
 def _column(values: list) -> Any:

@@ -109,7 +109,7 @@ def checked(fn: Callable) -> Callable:
     expect_callable("checked", fn)
     named = _torch.compiled_function(fn) or fn  # torchax.compile(f): f
     scope = Scope(getattr(named, "__qualname__", repr(named)))
-    compiled = _compiled(fn, scope)
+    compiled = _compiled(fn)
 
     @ft.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -145,14 +145,10 @@ def checked(fn: Callable) -> Callable:
 
         def lower(*args, **kwargs):
             """The program a call with these arguments runs in the mode in force,
-            lowered, as `jax.jit(f).lower` (e.g. to read its HLO). In deferred
-            mode its first argument is the accumulated states."""
-            mode = _config.current().checks
-            if mode == "off":
+            lowered, as `jax.jit(f).lower` (e.g. to read its HLO)."""
+            if _config.current().checks == "off":
                 return fn.lower(*args, **kwargs)
-            if mode == "raise":
-                return compiled[0].lower(*args, **kwargs)
-            return scope.lower_deferred(compiled[1], args, kwargs)
+            return compiled.lower(*args, **kwargs)
 
         wrapper.lower = lower  # pyright: ignore[reportAttributeAccessIssue]
     wrapper.scope = scope  # pyright: ignore[reportAttributeAccessIssue]

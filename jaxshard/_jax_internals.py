@@ -434,13 +434,6 @@ def jit_parameters(fn: Any) -> dict[str, Any] | None:
     return out
 
 
-def is_device_mismatch(e: BaseException) -> bool:
-    """Whether `e` is jit's refusal of arguments committed to different devices (a
-    `ValueError` saying "incompatible devices", on jax 0.10.2 to 0.12.0.1: JAX has
-    no class for it)."""
-    return isinstance(e, ValueError) and "incompatible devices" in str(e)
-
-
 def is_sharding_type_error(e: BaseException) -> bool:
     """Whether `e` is JAX's `ShardingTypeError` (raised on Explicit axes where a
     result's sharding cannot be inferred), which JAX does not export; the same class

@@ -377,9 +377,9 @@ def test_deferred_block_does_not_mask_errors():
 
 
 def test_deferred_findings_are_merged_across_calls_and_shapes():
-    """More calls than are kept unmerged, with two shapes: each shape is its own
-    program with its own checks, reported in the order they were traced; each
-    failure has the first call where it failed, and its count over the calls."""
+    """Seventy calls with two shapes: each shape is its own program with its own
+    checks, reported in the order they were traced; each failure has the first call
+    where it failed, and its count over the calls."""
     step = step_fn()
     with pytest.raises(jaxshard.CheckError) as e:
         with jaxshard.deferred_checks():
@@ -392,6 +392,32 @@ def test_deferred_findings_are_merged_across_calls_and_shapes():
         ("too small -9.0", 52, 3),
         ("too big 5.0", 37, 2 + 2),  # x: f32[2], odd calls
     ]
+
+
+def test_deferred_reads_only_finished_calls(monkeypatch):
+    """In deferred mode a call reads the findings of the earlier calls the device
+    has finished, never one it would wait for: over a long loop, what the
+    function keeps unread stays as small as the calls in flight."""
+    from jaxshard._check_frames import Findings
+
+    read, ready = Findings.read, []
+
+    def spy(self):
+        ready.append(self.ready())
+        return read(self)
+
+    monkeypatch.setattr(Findings, "read", spy)
+    step = step_fn()
+    with pytest.raises(jaxshard.CheckError) as e:
+        with jaxshard.deferred_checks():
+            for i in range(200):
+                out = step(jnp.float32(9 if i == 150 else 0))
+                if i % 10 == 9:
+                    out.block_until_ready()
+            assert len(ready) >= 190 and all(ready)
+            assert len(step.scope._pending) <= 10
+    ((failure),) = e.value.failures
+    assert (failure.message, failure.call, failure.calls) == ("too big 9.0", 150, 1)
 
 
 def test_checked_jit_keeps_static_and_donated_arguments():
@@ -409,10 +435,10 @@ def test_checked_jit_keeps_static_and_donated_arguments():
 
 
 def test_checked_jit_runs_through_jits_fast_path(monkeypatch):
-    """`checked(jax.jit(f))` runs one program that returns what its checks found
-    (in deferred mode, with the accumulated states, donated, in and out). It takes
-    no Refs, so JAX dispatches it from C++: its Python path never runs once the
-    program is compiled, and nothing else runs between calls."""
+    """`checked(jax.jit(f))` runs one program, the same in both modes, that returns
+    what its checks found. It takes no Refs, so JAX dispatches it from C++: its
+    Python path never runs once the program is compiled, and nothing else runs
+    between calls."""
     from jax._src.interpreters import pxla
 
     step = step_fn()
@@ -423,7 +449,7 @@ def test_checked_jit_runs_through_jits_fast_path(monkeypatch):
         ran.append(self.name)
         return python_path(self, *args)
 
-    step(jnp.float32(0))  # each mode is its own program: compile both
+    step(jnp.float32(0))  # compiled
     with jaxshard.deferred_checks():
         for _ in range(2):
             step(jnp.float32(0))
@@ -442,8 +468,8 @@ def test_checked_jit_runs_through_jits_fast_path(monkeypatch):
 
 
 def test_deferred_blocks_trace_once():
-    """Flushing starts the accumulated states anew without changing their shape:
-    later blocks run the program traced and compiled for the first."""
+    """Flushing starts the call indices anew: later blocks run the program traced
+    and compiled for the first."""
     traces = []
 
     @jaxshard.checked
@@ -465,9 +491,8 @@ def test_deferred_blocks_trace_once():
 
 @pytest.mark.parametrize("devices", [1, 8])
 def test_deferred_traces_once_on_a_mesh_not_in_context(devices):
-    """With no mesh in context, the states start where the program returns them:
-    on the arguments' mesh, even of one device (placed on the default device
-    instead, the second call would trace anew)."""
+    """With no mesh in context, on the arguments' mesh (even of one device), the
+    program is traced once."""
     mesh = jax.make_mesh((devices,), ("dp",), devices=jax.devices()[:devices])
     x = jax.device_put(jnp.zeros(8), NamedSharding(mesh, P()))
     traces = []
@@ -485,10 +510,9 @@ def test_deferred_traces_once_on_a_mesh_not_in_context(devices):
     assert len(traces) == 1
 
 
-def test_deferred_states_grow_and_follow_the_devices():
-    """The accumulated states of a deferred function make room for each new trace's
-    checks (a thousand here), keep what earlier traces found, and follow the
-    program to other devices."""
+def test_deferred_findings_of_several_traces_and_devices():
+    """A deferred function keeps what each of its traces found (a thousand checks
+    in one of them), whichever devices each call runs on."""
     many = jaxshard.checked(
         jax.jit(
             lambda x: [
@@ -597,12 +621,12 @@ def test_sharded_predicate_is_not_gathered(explicit_mesh, rows):
 
 @pytest.mark.parametrize("context", [False, True])
 def test_lower_in_deferred_mode(explicit_mesh, context):
-    """`lower` before any call, in deferred mode: the program takes the accumulated
-    states, with room made for its rows and placed as a call's would be; a call
-    afterwards runs that program."""
+    """`lower` before any call, in deferred mode: the program takes the function's
+    arguments alone and returns a row per check beside its outputs; a call
+    afterwards runs that program and keeps its rows until the flush."""
 
     def f(x):
-        for i in range(20):  # more rows than a fresh scope has room for
+        for i in range(20):
             jaxshard.check(x < 100 + i, "big {x}", x=x)
         return x + 1
 
@@ -613,10 +637,10 @@ def test_lower_in_deferred_mode(explicit_mesh, context):
         jaxshard.deferred_checks(),
     ):
         compiled = g.lower(x).compile()
-        (states, _), _ = compiled.input_shardings
-        assert states.is_fully_replicated and len(states.device_set) == 8
-        rows = re.search(r"s32\[(\d+),\d+\]", compiled.as_text().split("ENTRY")[1])
-        assert rows and int(rows.group(1)) > 20
+        (given,), _ = compiled.input_shardings
+        assert given == x.sharding
+        entry = compiled.as_text().split("ENTRY")[1]
+        assert re.search(r"s32\[20,\d+\]", entry.split("ROOT")[1])
         g(x * 200)
         with pytest.raises(jaxshard.CheckError, match="20 checks failed"):
             jaxshard.flush_checks()
