@@ -8,7 +8,8 @@
 
     - unchecked: the step with no checks, the baseline;
     - jaxshard deferred: `jaxshard.checked(jax.jit(step))` inside
-        `jaxshard.deferred_checks()` (nothing read until the block ends);
+        `jaxshard.deferred_checks()` (each call reads what the calls the device
+        has finished found; nothing waits for the device until the block ends);
     - jaxshard raise: the same function in the default mode (one flag read per step);
     - jaxshard off: the same function under `jaxshard.config(checks="off")`;
     - flag vector: the floor. The step computes the same three predicates by hand,
@@ -46,9 +47,9 @@
     device and on eight: deferred / flag vector and raise / checkify.
 (f) Compile time: a function of 64 floats making 10, 100 and 1,000 checks, scalar
     (`x[i] > -1 - i`) or over the array (`x * (i + 1) < 1e9`), each showing a value:
-    XLA's compile time with jaxshard (the program of "raise" mode, and of
-    "deferred" mode), with checkify and with no checks, and per check (over no
-    checks); medians of 3 rounds, JAX's caches cleared before each compile.
+    XLA's compile time with jaxshard (the program both modes run), with checkify
+    and with no checks, and per check (over no checks); medians of 3 rounds, JAX's
+    caches cleared before each compile.
 (g) First call: trace, compile and one step of each variant of (a), with JAX's
     caches cleared.
 
@@ -457,9 +458,9 @@ CHECK_COUNTS = (10, 100) if QUICK else (10, 100, 1000)
 
 def compile_times(n: int, kind: str) -> dict:
     """Seconds to trace and lower, and to compile (XLA), a function of 64 floats
-    making `n` checks: with jaxshard (the program `checked(jax.jit(f))` runs, in
-    "raise" and in "deferred" mode), with checkify (`jax.jit(checkify.checkify(f))`),
-    and without checks; the median of `ROUNDS["compile"]` rounds, in alternating
+    making `n` checks: with jaxshard (the program `checked(jax.jit(f))` runs in
+    either mode), with checkify (`jax.jit(checkify.checkify(f))`), and without
+    checks; the median of `ROUNDS["compile"]` rounds, in alternating
     order, each with JAX's caches cleared. `kind` "scalar" checks `x[i] > -1 - i`;
     "array" checks `x * (i + 1) < 1e9`, each with the value in the message.
     (`checked(...).lower` lowers the program a checked call runs.)"""
@@ -486,24 +487,20 @@ def compile_times(n: int, kind: str) -> dict:
     def without(x):
         return x + 1
 
-    def timed(program, mode="raise"):
+    def timed(program):
         def run():
             jax.clear_caches()
             gc.collect()
-            with jaxshard.config(checks=mode):
-                start = time.perf_counter()
-                lowered = program().lower(x)
-                traced = time.perf_counter()
-                lowered.compile()
+            start = time.perf_counter()
+            lowered = program().lower(x)
+            traced = time.perf_counter()
+            lowered.compile()
             return traced - start, time.perf_counter() - traced
 
         return run
 
     runs = {
         "jaxshard": timed(lambda: jaxshard.checked(jax.jit(with_jaxshard))),
-        "jaxshard deferred": timed(
-            lambda: jaxshard.checked(jax.jit(with_jaxshard)), "deferred"
-        ),
         "checkify": timed(lambda: jax.jit(checkify.checkify(with_checkify))),
         "no checks": timed(lambda: jax.jit(without)),
     }
@@ -695,14 +692,12 @@ def main() -> int:
 
     # (f) compile time
     if "f" in ONLY:
-        rows = [
-            ("(f) compile, 64 floats", "raise", "deferred", "checkify", "no checks")
-        ]
-        rows[0] += ("ms/check raise, deferred, checkify", "trace+lower js/ck")
+        rows = [("(f) compile, 64 floats", "jaxshard", "checkify", "no checks")]
+        rows[0] += ("ms/check jaxshard, checkify", "trace+lower js/ck")
         for kind in ("scalar", "array"):
             for n in CHECK_COUNTS:
                 t = compile_times(n, kind)
-                names = ("jaxshard", "jaxshard deferred", "checkify")
+                names = ("jaxshard", "checkify")
                 per_check = [(t[k][1] - t["no checks"][1]) / n * 1e3 for k in names]
                 rows.append(
                     (f"{n} {kind} checks",)

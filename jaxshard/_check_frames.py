@@ -62,16 +62,24 @@ class Findings:
         """The rows, read from the device (the call's one wait: returning their
         count column too would be one more kernel to compile), and whether any
         check failed."""
-        # `np.asarray` per array: `jax.device_get` of the pair takes 10 us more.
-        once, states = (None if x is None else np.asarray(x) for x in self.packed)
-        failed = (once is not None and once[:, 0].any()) or (
-            states is not None and states[:, COUNT].any()
-        )
-        return (once, states), bool(failed)
+        # `np.asarray` per array: `jax.device_get` of the pair takes 10 us more;
+        # `np.count_nonzero`, a microsecond less than `.any()`.
+        once, states = self.packed
+        failed = False
+        if once is not None:
+            once = np.asarray(once)
+            failed = np.count_nonzero(once[:, 0]) > 0
+        if states is not None:
+            states = np.asarray(states)
+            failed = failed or np.count_nonzero(states[:, COUNT]) > 0
+        return (once, states), failed
 
     def ready(self) -> bool:
         """Whether the device has made the rows (reading them would not wait)."""
-        return all(x is None or x.is_ready() for x in self.packed)
+        once, states = self.packed
+        return (once is None or once.is_ready()) and (
+            states is None or states.is_ready()
+        )
 
 
 jax.tree_util.register_pytree_node(

@@ -54,6 +54,13 @@ _generation = [0]  # bumped when deferred counting restarts: call indices start 
 # --- scopes: who reads the flags ------------------------------------------------------
 
 
+# In deferred mode, the findings of this many calls are kept before those of the
+# calls the device has finished are read: read one after another, each costs a
+# fraction of what it costs read alone (on XLA's CPU backend, whose threads run the
+# program beside the reads).
+_READ_AFTER = 64
+
+
 class Scope:
     """The flags of one `checked` function. For a jitted function, the findings its
     calls returned (see `_compiled`). For any other, its sites and, for each
@@ -73,6 +80,8 @@ class Scope:
         # states (`_add_found`).
         self._pending: collections.deque[tuple[int, "Findings"]] = collections.deque()
         self._found: dict["Frame", np.ndarray] = {}
+        self._copy: bool | None = None  # whether findings are copied to the host
+        self.listed = False  # among the scopes the next flush reads
 
     def next_call(self) -> int:
         if self._generation != _generation[0]:
@@ -93,13 +102,20 @@ class Scope:
                 raise CheckError(failures, when=f" in {self.name}")
             return out
         call = self.next_call()
-        if findings.packed != (None, None):  # a program with checks
+        once, states = findings.packed
+        if once is None and states is None:  # a program with no checks
+            return out
+        if self._copy is None:
+            x = once if once is not None else states
+            self._copy = not all(d.platform == "cpu" for d in x.sharding.device_set)
+        if self._copy:
+            # Off the CPU, copied to the host as soon as they are made: the read
+            # at a later call then does not wait for the copy.
             for x in findings.packed:
-                # Off the CPU, copied to the host as soon as they are made: the
-                # read at a later call then does not wait for the copy.
-                if x is not None and not _in_host_memory(x.sharding):
+                if x is not None:
                     x.copy_to_host_async()
-            self._pending.append((call, findings))
+        self._pending.append((call, findings))
+        if len(self._pending) >= _READ_AFTER:
             self._read_pending(wait=False)
         return out
 
@@ -107,13 +123,13 @@ class Scope:
         """Reads the findings of the calls the device has finished (of every call
         if `wait`), in call order, and keeps their failures."""
         pending = self._pending
-        while pending and (wait or pending[0][1].ready()):
-            call, findings = pending.popleft()
-            rows, failed = findings.read()
-            if failed:
-                frame = findings.frame
-                found = _full(*rows, np)
-                self._found[frame] = _add_found(self._found.get(frame), found, call)
+        with self._lock:  # calls from several threads
+            while pending and (wait or pending[0][1].ready()):
+                call, findings = pending.popleft()
+                rows, failed = findings.read()
+                if failed:
+                    frame, found = findings.frame, _full(*rows, np)
+                    self._found[frame] = _add_found(self._found.get(frame), found, call)
 
     def refs(self) -> tuple[Any, Any]:
         """The flag and call counter for the current placement."""
@@ -188,11 +204,6 @@ def _placement(args: tuple, kwargs: dict) -> Any:
     ]
     spread = [mesh for mesh in meshes if mesh.size > 1]
     return _replicated((spread or meshes)[0]) if meshes else None
-
-
-@ft.lru_cache(maxsize=64)
-def _in_host_memory(sharding: Any) -> bool:
-    return all(device.platform == "cpu" for device in sharding.device_set)
 
 
 @ft.lru_cache(maxsize=64)
