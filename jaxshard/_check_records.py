@@ -81,7 +81,6 @@ class Scope:
         self._pending: collections.deque[tuple[int, "Findings"]] = collections.deque()
         self._found: dict["Frame", np.ndarray] = {}
         self._copy: bool | None = None  # whether findings are copied to the host
-        self.listed = False  # among the scopes the next flush reads
 
     def next_call(self) -> int:
         if self._generation != _generation[0]:
@@ -111,7 +110,7 @@ class Scope:
         if self._copy:
             # Off the CPU, copied to the host as soon as they are made: the read
             # at a later call then does not wait for the copy.
-            for x in findings.packed:
+            for x in (once, states):
                 if x is not None:
                     x.copy_to_host_async()
         self._pending.append((call, findings))

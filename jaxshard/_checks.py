@@ -127,8 +127,7 @@ def checked(fn: Callable) -> Callable:
             # No scope to set: the program sets its own while it is traced, and an
             # unchanged context keeps the call on jit's fast path.
             out = scope.run_compiled(compiled, settings.checks, args, kwargs)
-            if settings.checks != "raise" and not scope.listed:
-                scope.listed = True
+            if settings.checks != "raise" and scope not in _deferred_scopes:
                 _deferred_scopes.add(scope)
             return out
         scope.begin_call(args, kwargs)
@@ -139,7 +138,6 @@ def checked(fn: Callable) -> Callable:
             if failures:
                 raise CheckError(failures, when=f" in {scope.name}")
         else:
-            scope.listed = True
             _deferred_scopes.add(scope)
         return out
 
@@ -164,7 +162,6 @@ def flush_checks() -> None:
     failures = []
     for scope in sorted(_deferred_scopes, key=lambda s: s.name):
         failures += scope.take_failures(deferred=True)
-        scope.listed = False
     _deferred_scopes.clear()
     _generation[0] += 1
     if failures:
