@@ -171,10 +171,11 @@ class Frame:
         stacked, screened, now = [], [], []
         for i, item in enumerate(items):
             size = np.prod(item.shape)
-            budget -= size
-            if not item.shape or size > _SHARED_SIZE or budget < 0:
+            if not item.shape or size > _SHARED_SIZE or size > budget:
                 now.append(i)
-            elif mesh.empty or mesh.size == 1:
+                continue
+            budget -= size
+            if mesh.empty or mesh.size == 1:
                 stacked.append(i)
             else:
                 screened.append(i)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ._jax_internals import ref_contents
 
@@ -162,15 +163,19 @@ def _on(placement: Any):
 
 class Item(NamedTuple):
     """One check's predicate, `pred_fn(operand)`, elementwise over `operand`; the
-    `values` its message shows; `shape`, that of the predicate; and `screen`, a
-    cheaper `operand -> bool` that is true exactly when every element passes (by
-    default `jnp.all(pred_fn(operand))`)."""
+    `values` its message shows; `shape`, that of the predicate; `screen`, a cheaper
+    `operand -> bool` that is true exactly when every element passes (by default
+    `jnp.all(pred_fn(operand))`); and `kinds`, for a check whose one value is its
+    operand and whose failing elements hold one of a few values (`check_finite`'s:
+    NaN, inf or -inf), `(kind, table)`: `kind(operand)` is, elementwise, the index
+    in `table` of the value there if it fails."""
 
     pred_fn: Callable
     operand: Any
     values: list
     shape: tuple
     screen: Callable | None = None
+    kinds: tuple[Callable, tuple] | None = None
 
 
 def _from_words(words: list, dtype) -> Any:
@@ -188,10 +193,22 @@ def _from_words(words: list, dtype) -> Any:
     return lax.convert_element_type(word, dtype)
 
 
+def _unsharded(x):
+    """`x`, on every device if it is sharded over Explicit mesh axes."""
+    sharding = jax.typeof(x).sharding
+    if AxisType.Explicit in sharding.mesh.axis_types and any(sharding.spec):
+        return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
+    return x
+
+
 def _reduce(count, element, batch, device, call, iteration, words):
     """A vmapped evaluation's statistics (each with a leading batch dimension) as one
     evaluation: per site, the counts summed and the rest from the first failing batch
-    element, whose index joins the batch indices."""
+    element, whose index joins the batch indices. (A few integers per batch element,
+    put on every device first where the batch is sharded over Explicit mesh axes.)"""
+    count, element, batch, device, call, iteration, words = map(
+        _unsharded, (count, element, batch, device, call, iteration, words)
+    )
     has = count > 0
     first = jnp.argmax(has, axis=0)
     index = jnp.where(jnp.any(has, axis=0), first, -1).astype(jnp.int32)

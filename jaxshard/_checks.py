@@ -233,7 +233,9 @@ def _check(
     the predicate is a reshaped view of it (for the failing element's index). With
     `pred_fn`, `pred` is `pred_fn(operand)`, which can be computed again where
     that is cheaper than keeping `pred`."""
-    _check_many([(pred, msg, values, shape, pred_fn, operand, screen)], *_caller())
+    _check_many(
+        [(pred, msg, values, shape, pred_fn, operand, screen, None)], *_caller()
+    )
 
 
 def _check_many(entries: list[tuple], filename: str, lineno: int) -> None:
@@ -243,7 +245,7 @@ def _check_many(entries: list[tuple], filename: str, lineno: int) -> None:
     if settings.checks == "off":
         return
     traced = []
-    for pred, msg, values, shape, pred_fn, operand, screen in entries:
+    for pred, msg, values, shape, pred_fn, operand, screen, kinds in entries:
         _check_message(msg, values)
         if pred_fn is not None:
             # Unused below when traced (so removed as dead code): for shape and layout.
@@ -274,7 +276,7 @@ def _check_many(entries: list[tuple], filename: str, lineno: int) -> None:
             order=0,
             dtypes=tuple(v.dtype for v in values.values()),
         )
-        item = Item(pred_fn, operand, list(values.values()), pred.shape, screen)
+        item = Item(pred_fn, operand, list(values.values()), pred.shape, screen, kinds)
         traced.append((site, item))
     if not traced:
         return
@@ -477,11 +479,21 @@ def check_finite(tree: Any, name: str | None = None) -> None:
             continue
         where = name + jax.tree_util.keystr(path)
         message = f"{where} holds NaN or infinity (first: {{value}})"
+        real = jnp.issubdtype(jnp.result_type(leaf), jnp.floating)
         entries.append(
             (None, message, {"value": leaf}, jnp.shape(leaf), jnp.isfinite, leaf)
-            + (_all_finite,)
+            + (_all_finite, _NON_FINITE if real else None)
         )
     _check_many(entries, *_caller())
+
+
+def _non_finite_kind(x):
+    """0 where `x` is NaN, 1 where it is inf, 2 where -inf (or finite)."""
+    return jnp.where(jnp.isnan(x), 0, jnp.where(x > 0, 1, 2)).astype(jnp.int32)
+
+
+# What a real leaf holds where `check_finite` fails, and which (`Item.kinds`).
+_NON_FINITE = (_non_finite_kind, (float("nan"), float("inf"), float("-inf")))
 
 
 def _all_finite(x):
