@@ -1,10 +1,12 @@
 """What a check computes when it runs: the statistics of one evaluation of its
 predicate (how many elements failed, the first one, the values there), at the cost
-of one reduction per check (its screen) when nothing failed.
+of one reduction per check when nothing failed.
 
-On a mesh of several devices each device reduces its own block, and collectives of
-scalars combine them (`_on_blocks`): nothing is gathered. Inside `shard_map` the
-statistics are combined over the manual axes (`_combine_devices`).
+On one device, and inside `shard_map`, that reduction finds the statistics
+(`_details`). On a mesh of several devices each device reduces its own block (its
+screen), collectives of scalars combine them, and only if something failed are the
+statistics computed, behind a `lax.cond` (`_on_blocks`): nothing is gathered. Inside
+`shard_map` the statistics are combined over the manual axes (`_combine_devices`).
 """
 
 from collections.abc import Callable
@@ -60,12 +62,20 @@ def _statistics(items: list[Item]) -> list[tuple]:
 
 
 def _whole_on_each_device(x) -> bool:
-    """Whether each device computing with `x` holds it whole: no mesh, or one whose
-    axes other than `shard_map`'s manual ones have one device each."""
-    mesh = jax.typeof(x).sharding.mesh
-    return mesh.empty or all(
-        n == 1 or t == AxisType.Manual for n, t in zip(mesh.axis_sizes, mesh.axis_types)
-    )
+    """Whether each device computing with `x` holds it whole: on no mesh, on one
+    whose axes other than `shard_map`'s manual ones have one device each, or on
+    Explicit axes that `x`'s type does not split (outside `vmap`, whose batch may
+    be split over them)."""
+    sharding = jax.typeof(x).sharding
+    mesh = sharding.mesh
+    if mesh.empty:
+        return True
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    split = {a for a, n in mesh.shape.items() if n > 1 and types[a] != AxisType.Manual}
+    if not split:
+        return True
+    explicit = all(types[a] == AxisType.Explicit for a in split)
+    return explicit and not is_batched(x) and not split & _axes_of(sharding.spec)
 
 
 def _split_statistics(mesh, items: list[Item]) -> list[tuple]:

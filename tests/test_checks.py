@@ -827,7 +827,10 @@ def test_a_repeated_block_too_small_to_slice_counts_once(kind):
 @hypothesis.settings(max_examples=25, deadline=None)
 @hypothesis.given(
     axis_types=st.sampled_from(["explicit", "auto", None]),
-    shape=st.sampled_from([(8, 6), (16,), (4, 2, 3), (1, 8), (3, 5)]),
+    # The last two are larger than small arrays' shared details (4,096 elements).
+    shape=st.sampled_from(
+        [(8, 6), (16,), (4, 2, 3), (1, 8), (3, 5), (72, 64), (4104,)]
+    ),
     spec=st.sampled_from([P(), P("dp"), P(None, "tp"), P(("dp", "tp")), P("tp", "dp")]),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16, jnp.complex64]),
     bad=st.lists(
@@ -837,8 +840,9 @@ def test_a_repeated_block_too_small_to_slice_counts_once(kind):
     in_grad=st.booleans(),
 )
 def test_check_finite_agrees_with_numpy(axis_types, shape, spec, dtype, bad, in_grad):
-    """check_finite's verdict, count and first element are NumPy's, on any layout of
-    any mesh (in JAX's context, or only the arrays'), inside `jax.grad` or not."""
+    """check_finite's verdict, count, first element and value there are NumPy's, on
+    any layout of any mesh (in JAX's context, or only the arrays'), inside
+    `jax.grad` or not."""
     kind = AxisType.Explicit if axis_types == "explicit" else AxisType.Auto
     m = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(kind, kind))
     hypothesis.assume(
@@ -870,10 +874,53 @@ def test_check_finite_agrees_with_numpy(axis_types, shape, spec, dtype, bad, in_
     first = np.unravel_index(np.flatnonzero(nonfinite.ravel())[0], shape)
     assert found.count == nonfinite.sum()
     assert found.element == tuple(int(i) for i in first)
+    expected, value = np.asarray(jnp.asarray(x, dtype))[first], found.values["value"]
+    assert np.isnan(value) if np.isnan(expected) else value == expected
 
 
 def _names(entry):
     return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+@pytest.mark.parametrize("spec", [P("dp"), P("dp", "tp"), P()])
+def test_vmap_over_a_sharded_batch(mesh, spec):
+    """Checks under `vmap` of a batch laid out over the mesh report the batch
+    element, element and values of the first failure, and count every one."""
+    x = np.arange(8 * 16 * 4, dtype=np.float32).reshape(8, 16, 4)
+    x[5, 9, 2] = np.nan
+
+    @jaxshard.checked
+    @jax.jit
+    def f(x):
+        def example(r):
+            jaxshard.check_finite(r, name="r")
+            jaxshard.check(r < 400, "r is {r}", r=r)
+            return r * 2
+
+        return jax.vmap(example)(x)
+
+    with jax.set_mesh(mesh):
+        finite, bound = failures(f, jax.device_put(x, NamedSharding(mesh, spec)))
+    assert (finite.count, finite.batch_index, finite.element) == (1, (5,), (9, 2))
+    assert np.isnan(finite.values["value"])
+    assert (bound.count, bound.batch_index, bound.element) == (113, (5,), (9, 2))
+    assert np.isnan(bound.values["r"])
+
+
+def test_one_device_checks_have_no_branch():
+    """On one device a check's statistics are one reduction over its operand, with
+    the values there: the compiled program has no conditional for a passing call
+    to skip, whatever the arrays' sizes."""
+
+    def f(x, labels):
+        jaxshard.check_finite({"x": x, "small": x[:4]})
+        jaxshard.check(labels < 6, "label {l}", l=labels)
+        jaxshard.check(jnp.sum(x) < 1, "sum {s}", s=jnp.sum(x))
+        return x
+
+    x, labels = jnp.zeros((96, 64)), jnp.zeros((96, 64), jnp.int32)
+    program = jaxshard.checked(jax.jit(f)).lower(x, labels).compile().as_text()
+    assert "conditional" not in program
 
 
 def test_check_range_screens_integers_by_min_and_max():
