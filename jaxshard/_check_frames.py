@@ -162,7 +162,7 @@ class Frame:
         check (`_shared_details`), so that a program with many checks compiles a
         few operations for all of them: on one device, on every call; on a mesh of
         several devices, behind one `lax.cond` on whether any failed, which each
-        tests now on its own layout (a reduction per check, `Item.screen`). Other
+        tests now on its own layout (a reduction per check, `_screen`). Other
         checks are evaluated now."""
         budget = _SHARED_TOTAL - sum(
             np.prod(item.shape) for _, item in self.shared + self.screened

@@ -163,18 +163,16 @@ def _on(placement: Any):
 
 class Item(NamedTuple):
     """One check's predicate, `pred_fn(operand)`, elementwise over `operand`; the
-    `values` its message shows; `shape`, that of the predicate; `screen`, a cheaper
-    `operand -> bool` that is true exactly when every element passes (by default
-    `jnp.all(pred_fn(operand))`); and `kinds`, for a check whose one value is its
-    operand and whose failing elements hold one of a few values (`check_finite`'s:
-    NaN, inf or -inf), `(kind, table)`: `kind(operand)` is, elementwise, the index
-    in `table` of the value there if it fails."""
+    `values` its message shows; `shape`, that of the predicate; and `kinds`, for a
+    check whose one value is its operand and whose failing elements hold one of a
+    few values (`check_finite`'s: NaN, inf or -inf), `(kind, table)`:
+    `kind(operand)` is, elementwise, the index in `table` of the value there if it
+    fails."""
 
     pred_fn: Callable
     operand: Any
     values: list
     shape: tuple
-    screen: Callable | None = None
     kinds: tuple[Callable, tuple] | None = None
 
 

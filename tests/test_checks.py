@@ -923,9 +923,11 @@ def test_one_device_checks_have_no_branch():
     assert "conditional" not in program
 
 
-def test_check_range_screens_integers_by_min_and_max():
-    """Integers against scalar bounds are screened by `min` and `max`; the verdict is
-    that of the elementwise comparison, for empty arrays and at the bounds too."""
+@pytest.mark.parametrize("where", ["one device", "explicit", "auto"])
+def test_check_range_of_integers(where):
+    """check_range's verdict on integers is that of the elementwise comparison, for
+    empty arrays and at the bounds too, whether the check screens each device's
+    block first (on a mesh) or not, on small arrays and large ones."""
 
     @jaxshard.checked
     @jax.jit
@@ -933,15 +935,43 @@ def test_check_range_screens_integers_by_min_and_max():
         jaxshard.check_range(t, -2, 9, name="id")
         return t
 
-    for passing in (jnp.arange(-2, 10), jnp.zeros((0,), jnp.int32), jnp.int32(9)):
-        f(passing)
-    for value, element in ((10, (4,)), (-3, (0,))):
-        t = jnp.arange(0, 8).at[element].set(value)
-        (found,) = failures(f, t)
-        assert found.message == f"id {value} is outside [-2, 9]"
-        assert found.element == element and found.count == 1
-    (found,) = failures(f, jnp.array([[10, -5], [0, 99]], jnp.int8))
+    context, put = contextlib.nullcontext(), jnp.asarray
+    if where != "one device":
+        axis = AxisType.Explicit if where == "explicit" else AxisType.Auto
+        mesh = jax.make_mesh((8,), ("dp",), axis_types=(axis,))
+        context = jax.set_mesh(mesh)
+
+        def put(x):
+            x = jnp.asarray(x)
+            spec = P("dp") if x.ndim and x.shape[0] % 8 == 0 else P()
+            return jax.device_put(x, NamedSharding(mesh, spec))
+
+    with context:
+        for passing in (jnp.arange(-2, 10), jnp.zeros((0,), jnp.int32), 9):
+            f(put(passing))
+        for size in (8, 8000):
+            for value, element in ((10, (4,)), (-3, (0,)), (99, (size - 1,))):
+                t = np.arange(size) % 8
+                t[element] = value
+                (found,) = failures(f, put(t))
+                assert found.message == f"id {value} is outside [-2, 9]"
+                assert found.element == element and found.count == 1
+        (found,) = failures(f, put(np.array([[10, -5], [0, 99]], np.int8)))
     assert found.count == 3 and found.element == (0, 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32, jnp.bfloat16])
+def test_a_screen_is_one_reduction_fused_with_its_predicate(dtype):
+    """A check's screen, what a passing call costs on a mesh, compiles to one
+    reduction fused with its predicate: the program makes no array of the
+    predicate's size (a reduction of one operand would first copy it to int32)."""
+    from jaxshard._check_stats import _none_fail
+
+    x = jnp.zeros((512, 512), dtype)
+    program = jax.jit(lambda x: _none_fail(x > 1)).lower(x).compile().as_text()
+    entry = program[program.index("\nENTRY") :]
+    made = re.findall(r"= (\w+\[[\d,]*\])[^ ]* (?!parameter)", entry)
+    assert not [shape for shape in made if "512,512" in shape], entry
 
 
 def test_check_range():
