@@ -119,6 +119,10 @@ def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
                         [_share(b, spec, axes) for b in picked],
                     )
                 )
+            # The branch takes the shares as they are: the screens read them there
+            # too, rather than slicing (and transposing, when autodiff made the
+            # operand) their blocks again.
+            shares = lax.optimization_barrier(shares)
             fails = [
                 jnp.logical_not(_screen(item)(share))
                 for item, (share, _) in zip(items, shares)
