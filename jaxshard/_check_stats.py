@@ -153,7 +153,7 @@ def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
         for item, at, values in zip(items, starts, arrays):
             picked = list(operands[at + 1 : at + 1 + len(values)])
             fail = jnp.logical_not(item.pred_fn(operands[at]))
-            out += _first_failure(fail, None, picked)
+            out += _first_failure(fail, _flat_index(fail), picked)
         return tuple(out)
 
     outputs = sum(2 + len(a) for a in arrays)
@@ -234,7 +234,8 @@ def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, 
             columns = [
                 _stacked([c[k] for c in per_item], fused=4) for k in range(width)
             ]
-            count, first, *at = _first_failure(fails, None, columns, axis=1)
+            index = lax.broadcasted_iota(jnp.int32, fails.shape, 1)
+            count, first, *at = _first_failure(fails, index, columns, axis=1)
             counts.append(count)
             firsts.append(first)
             none = jnp.zeros((len(members), 0), jnp.int32)  # no value words
@@ -499,63 +500,61 @@ def _names(entry) -> tuple[str, ...]:
 
 def _details(item: Item) -> tuple:
     """`(count, first failing element, *values there)` of `item`'s predicate on
-    whole arrays, in one pass over them (`_first_failure`)."""
+    whole arrays, in one pass over them."""
     # Only values are checked: no tangents reach the reduction.
     operand = lax.stop_gradient(item.operand)
     values = [lax.stop_gradient(v) for v in item.values]
     fail = jnp.logical_not(item.pred_fn(operand))
     if not item.shape:  # a scalar's first failing element is not reported
         return (fail.astype(jnp.int32), np.int32(-1), *values)
+    if not _whole_on_each_device(fail):  # a vmapped batch split over the mesh
+        return _first_failure(fail, _flat_index(fail), values)
     kinds = item.kinds
     if kinds is not None and fail.size * len(kinds[1]) <= _BIG:
         kind, table = kinds
-        return _first_failure(fail, None, values, kinds=(kind(operand), table))
+        return _locate(fail, values, (kind(operand), table))
     # The values are read where the predicate first failed as soon as that is known:
     # fused into a later operation (the findings' rows), the reads would keep every
     # checked array alive until then. Even so, one more reader of a large array
     # makes XLA's CPU runtime order the program's other operations after it (a
     # 3x1024 MLP's step takes 5% longer for a read of each gradient): where it can,
     # the reduction finds the value too (`Item.kinds`).
-    return lax.optimization_barrier(_first_failure(fail, None, values))
+    return lax.optimization_barrier(_locate(fail, values))
 
 
-def _first_failure(
-    fail, index, values, axis: int | None = None, kinds: tuple | None = None
-) -> tuple:
-    """`(count, first failing index, *values there)` of `fail` (booleans, true
-    where an element failed), `index` (the index to report for each element,
-    increasing with the element's row-major position; by default that position)
-    and `values` (each a scalar or of `fail`'s shape), over `axis` (or all of them).
+def _locate(fail, values, kinds: tuple | None = None) -> tuple:
+    """`(count, first failing element, *values there)` of `fail` (booleans, true
+    where an element failed, held whole by each device) and `values` (each a scalar
+    or of `fail`'s shape), for a check that runs on every call.
 
     One variadic reduction of two int32s, how many elements failed and the least
-    position that did, finds the first failure; `index` and the values are then read
-    there (`_read_at`). With `kinds`, `(kind, table)` (see `Item.kinds`: `kind`
-    an int32 array of `fail`'s shape), the least of `position * len(table) + kind`
-    tells the value too, and nothing is read. XLA's CPU compiler vectorises that
-    reduction: it runs in 0.3x to 0.8x the time of a float sum over the same array,
-    where one that also carries the values (selecting them in its combiner) takes
-    six times as long. It keeps no temporary of `fail`'s size."""
-    if axis is None:
-        position = _flat_index(fail)
-        axes = tuple(range(fail.ndim))
-    else:
-        position = lax.broadcasted_iota(jnp.int32, fail.shape, axis)
-        axes = (axis,)
+    position that did, finds the first failure; the values are then read there.
+    XLA's CPU compiler vectorises that reduction: it runs in 0.3x to 0.8x the time
+    of a float sum over the same array, where one that also carries the values
+    (`_first_failure`) takes six times as long. With `kinds`, `(kind, table)` (see
+    `Item.kinds`: `kind` an int32 array of `fail`'s shape), the least of `position *
+    len(table) + kind` tells the value too, and nothing is read."""
+    position = _flat_index(fail)
     key = position if kinds is None else position * len(kinds[1]) + kinds[0]
     count, first = lax.reduce(
         (fail.astype(jnp.int32), jnp.where(fail, key, _BIG)),
         (np.int32(0), np.int32(_BIG)),
         lambda a, b: (a[0] + b[0], jnp.minimum(a[1], b[1])),
-        axes,
+        tuple(range(fail.ndim)),
     )
     if kinds is not None:
         table = kinds[1]
         kind = first % len(table)
         first = jnp.where(count > 0, first // len(table), _BIG)
         return (count, first, *(_select(kind, table, v.dtype) for v in values))
-    read = _read_at(fail, position, first, axis)
-    if index is not None:
-        first = jnp.where(count > 0, read(index), _BIG)
+    at, coordinates = jnp.minimum(first, fail.size - 1), []  # an element if none
+    for n in reversed(fail.shape):
+        coordinates.insert(0, at % n)
+        at = at // n
+
+    def read(x):
+        return lax.dynamic_slice(x, coordinates, (1,) * x.ndim).reshape(())
+
     return (count, first, *(read(v) if jnp.shape(v) else v for v in values))
 
 
@@ -568,33 +567,35 @@ def _select(index, table: tuple, dtype) -> Any:
     return out
 
 
-def _read_at(like, position, first, axis: int | None) -> Callable:
-    """A function reading an array of `like`'s shape where `position` (the
-    row-major position of each element along `axis`, or over all axes) is `first`
-    (any element if none is).
+def _first_failure(fail, index, values, axis: int | None = None) -> tuple:
+    """`(count, first failing index, *values there)` of `fail` (booleans, true
+    where an element failed), `index` (the index to report for each element) and
+    `values` (each a scalar or of `fail`'s shape), over `axis` (or all of them), in
+    one variadic reduction that carries the values: the fewest operations to
+    compile, for statistics computed only when something failed, or of small
+    arrays (see `_locate`). It keeps no temporary array of `fail`'s size."""
+    # As int32 words: XLA refuses a reduction over several float precisions.
+    words = [_encode([v]) for v in values if v.shape]
 
-    Where each device holds the arrays whole, a slice at those coordinates; else, so
-    as to gather nothing, a sum over each device's block of the int32 words of the
-    element there (zero elsewhere), combined across devices."""
-    if _whole_on_each_device(like):
-        if axis is not None:
-            at = jnp.expand_dims(jnp.minimum(first, like.shape[axis] - 1), axis)
-            return lambda x: jnp.take_along_axis(x, at, axis=axis).squeeze(axis)
-        at, coordinates = jnp.minimum(first, like.size - 1), []
-        for n in reversed(like.shape):
-            coordinates.insert(0, at % n)
-            at = at // n
-        return lambda x: lax.dynamic_slice(x, coordinates, (1,) * x.ndim).reshape(())
-    here = position == (first if axis is None else jnp.expand_dims(first, axis))
-    axes = tuple(range(like.ndim)) if axis is None else (axis,)
+    def combine(a, b):
+        (count_a, first_a, *va), (count_b, first_b, *vb) = a, b
+        take_a = first_a <= first_b
+        picked = [lax.select(take_a, x, y) for x, y in zip(va, vb)]
+        return (count_a + count_b, jnp.minimum(first_a, first_b), *picked)
 
-    def read(x):
-        words = [
-            jnp.sum(jnp.where(here, w, 0), axes, dtype=jnp.int32) for w in _encode([x])
-        ]
-        return _from_words(words, x.dtype)
-
-    return read
+    flat = [w for ws in words for w in ws]
+    operands = (fail.astype(jnp.int32), jnp.where(fail, index, _BIG), *flat)
+    inits = (np.int32(0), np.int32(_BIG)) + (np.int32(0),) * len(flat)
+    axes = tuple(range(fail.ndim)) if axis is None else (axis,)
+    count, first, *at = lax.reduce(operands, inits, combine, axes)
+    at = iter(at)
+    picked = [
+        _from_words([next(at) for _ in range(len(_encode([v])))], v.dtype)
+        if v.shape
+        else v
+        for v in values
+    ]
+    return (count, first, *picked)
 
 
 def _flat_index(like):
