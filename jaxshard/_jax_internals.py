@@ -408,8 +408,9 @@ def accumulate(refs: tuple, stats: tuple, merge: Callable, reduce: Callable) -> 
 def jit_parameters(fn: Any) -> dict[str, Any] | None:
     """What `jax.jit` was given for `fn`, or `None` if `fn` is not a `jax.jit`
     function: `fun` (the function it wraps), `static_argnums`, `static_argnames`,
-    `donate_argnums`, `donate_argnames`, and `in_shardings` and `out_shardings` when
-    they were given (as pytrees; an unspecified leaf is `None`).
+    `donate_argnums`, `donate_argnames`, and `keep_unused`, `compiler_options`,
+    `in_shardings` and `out_shardings` when they were given (the shardings as
+    pytrees; an unspecified leaf is `None`).
 
     Read from jit's own record of its parameters (`_jit_info`), which has no public
     equivalent; the same on jax 0.10.2 to 0.12.0.1.
@@ -422,6 +423,10 @@ def jit_parameters(fn: Any) -> dict[str, Any] | None:
     try:
         out: dict[str, Any] = {name: tuple(getattr(info, name)) for name in names}
         out["fun"] = fun
+        if info.keep_unused:
+            out["keep_unused"] = True
+        if info.compiler_options_kvs:
+            out["compiler_options"] = dict(info.compiler_options_kvs)
         if info.user_specified_in_shardings:
             out["in_shardings"] = _shardings(
                 info.in_shardings_treedef, info.in_shardings_leaves

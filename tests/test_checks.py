@@ -435,6 +435,23 @@ def test_checked_jit_keeps_static_and_donated_arguments():
     assert found.message == "x*n is 20.0"
 
 
+def test_checked_jit_keeps_compiler_options_and_unused_arguments(tmp_path):
+    """`jax.jit`'s `compiler_options` (here, where XLA dumps the program) and
+    `keep_unused` hold for the program `checked` compiles."""
+    options = {"xla_dump_to": str(tmp_path)}
+
+    @jaxshard.checked
+    @ft.partial(jax.jit, keep_unused=True, compiler_options=options)
+    def first(x, unused):
+        jaxshard.check(x < 10, "x is {x}", x=x)
+        return x
+
+    assert first(jnp.ones(4), jnp.zeros(3)).tolist() == [1.0] * 4
+    assert any(tmp_path.iterdir())
+    text = first.lower(jnp.ones(4), jnp.zeros(3)).as_text()
+    assert "tensor<3xf32>" in text  # the unused argument is still a parameter
+
+
 def test_checked_jit_runs_through_jits_fast_path(monkeypatch):
     """`checked(jax.jit(f))` runs one program, the same in both modes, that returns
     what its checks found. It takes no Refs, so JAX dispatches it from C++: its

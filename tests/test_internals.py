@@ -199,6 +199,10 @@ def test_jit_parameters(auto_mesh):
     params = internals.jit_parameters(h)
     assert params["in_shardings"] == dp
     assert params["out_shardings"] == {"y": None}
+    options = {"xla_cpu_enable_fast_math": True}
+    k = jax.jit(lambda a: a, keep_unused=True, compiler_options=options)
+    params = internals.jit_parameters(k)
+    assert params["keep_unused"] is True and params["compiler_options"] == options
 
 
 def test_untested_jax_warns_at_import():
