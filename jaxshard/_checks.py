@@ -446,9 +446,9 @@ def check_finite(tree: Any, name: str | None = None) -> None:
     non-finite values, by tree path, with how many they hold and the first one. Leaves
     that are not floating point are skipped.
 
-    On a mesh whose axes are all Explicit, a replicated leaf is checked a slice per
-    device rather than whole on every device: each device looks at its share, and
-    one integer is combined across devices for the whole tree.
+    On a mesh of several devices (Explicit or Auto axes), a replicated leaf is
+    checked a slice per device rather than whole on every device: each device looks
+    at its share, and one integer is combined across devices for the whole tree.
 
     **Arguments:**
 
