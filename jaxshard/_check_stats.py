@@ -209,9 +209,10 @@ def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, 
 
     Without `any_fail` (on one device), on every call: XLA's CPU backend compiles
     and runs that in less time than a `lax.cond` that would skip it when nothing
-    failed. With it (on a mesh, where stacking lays the predicates out anew on
-    every device), only when `any_fail` holds. The matrices hold every item's
-    elements: keep the items small."""
+    failed; for up to `_PICKED` items, the reduction only counts and locates, and
+    the values are read after (`located`). With it (on a mesh, where stacking lays
+    the predicates out anew on every device), only when `any_fail` holds. The
+    matrices hold every item's elements: keep the items small."""
     width = max(sum(_words(v.dtype) for v in item.values) for item in items)
     classes: dict[int, list[int]] = {}
     for i, item in enumerate(items):
@@ -220,14 +221,21 @@ def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, 
     lengths = sorted(classes)
     order = [i for length in lengths for i in classes[length]]
 
+    def failing(operands, length):
+        rows = [
+            _row(~items[i].pred_fn(operands[i]), length, False) for i in classes[length]
+        ]
+        return _stacked(rows, fused=4)
+
+    def in_order(parts):
+        out = jnp.concatenate(parts)
+        return out if order == sorted(order) else out[np.argsort(order)]
+
     def details(operands, values):
         counts, firsts, words = [], [], []
         for length in lengths:
             members = classes[length]
-            fails = _stacked(
-                [_row(~items[i].pred_fn(operands[i]), length, False) for i in members],
-                fused=4,
-            )
+            fails = failing(operands, length)
             per_item = [
                 _value_words(items[i], values[i], length, width) for i in members
             ]
@@ -240,11 +248,35 @@ def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, 
             firsts.append(first)
             none = jnp.zeros((len(members), 0), jnp.int32)  # no value words
             words.append(jnp.stack(at, axis=1) if at else none)
-        out = tuple(jnp.concatenate(x) for x in (counts, firsts, words))
-        if order == sorted(order):
-            return out
-        back = np.argsort(order)  # from size classes to the items' order
-        return tuple(x[back] for x in out)
+        return tuple(in_order(x) for x in (counts, firsts, words))
+
+    def located(operands, values):
+        # Carrying the values in the reduction takes their words stacked into
+        # matrices, a kernel to compile per four items; read after, they go into
+        # the words in one elementwise operation (a chain of selects, see
+        # `_check_rows._selected`), which grows with the square of the items.
+        counts, firsts = [], []
+        words = jnp.zeros((len(items), width), jnp.int32)
+        rows_at = lax.broadcasted_iota(jnp.int32, words.shape, 0)
+        columns_at = lax.broadcasted_iota(jnp.int32, words.shape, 1)
+        for length in lengths:
+            fails = failing(operands, length)
+            index = lax.broadcasted_iota(jnp.int32, fails.shape, 1)
+            count, first = _count_least(fails, index, axes=(1,))
+            counts.append(count)
+            firsts.append(first)
+            for j, i in enumerate(classes[length]):
+                at = jnp.minimum(first[j], int(np.prod(items[i].shape)) - 1)
+                picked = [
+                    lax.dynamic_index_in_dim(jnp.ravel(v), at, keepdims=False)
+                    if jnp.shape(v)
+                    else v
+                    for v in values[i]
+                ]
+                for k, word in enumerate(_encode(picked)):
+                    here = (rows_at == i) & (columns_at == k)
+                    words = jnp.where(here, word, words)
+        return in_order(counts), in_order(firsts), words
 
     def passing(operands, values):
         del operands, values
@@ -256,8 +288,13 @@ def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, 
     operands = [item.operand for item in items]
     values = [item.values for item in items]
     if any_fail is None:
-        return details(operands, values)
+        return (located if len(items) <= _PICKED else details)(operands, values)
     return _cond(any_fail, details, passing, operands, values)
+
+
+# Up to this many checks on small arrays, on one device, read their values after
+# the reduction that finds where (see `_shared_details`).
+_PICKED = 16
 
 
 def _cond(pred, details: Callable, passing: Callable, *operands) -> Any:
@@ -536,12 +573,7 @@ def _locate(fail, values, kinds: tuple | None = None) -> tuple:
     len(table) + kind` tells the value too, and nothing is read."""
     position = _flat_index(fail)
     key = position if kinds is None else position * len(kinds[1]) + kinds[0]
-    count, first = lax.reduce(
-        (fail.astype(jnp.int32), jnp.where(fail, key, _BIG)),
-        (np.int32(0), np.int32(_BIG)),
-        lambda a, b: (a[0] + b[0], jnp.minimum(a[1], b[1])),
-        tuple(range(fail.ndim)),
-    )
+    count, first = _count_least(fail, key, tuple(range(fail.ndim)))
     if kinds is not None:
         table = kinds[1]
         kind = first % len(table)
@@ -556,6 +588,17 @@ def _locate(fail, values, kinds: tuple | None = None) -> tuple:
         return lax.dynamic_slice(x, coordinates, (1,) * x.ndim).reshape(())
 
     return (count, first, *(read(v) if jnp.shape(v) else v for v in values))
+
+
+def _count_least(fail, key, axes: tuple) -> tuple:
+    """How many elements of `fail` are true, and the least `key` among them
+    (`_BIG` if none), over `axes`: one variadic reduction of two int32s."""
+    return lax.reduce(
+        (fail.astype(jnp.int32), jnp.where(fail, key, _BIG)),
+        (np.int32(0), np.int32(_BIG)),
+        lambda a, b: (a[0] + b[0], jnp.minimum(a[1], b[1])),
+        axes,
+    )
 
 
 def _select(index, table: tuple, dtype) -> Any:

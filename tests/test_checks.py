@@ -1096,15 +1096,19 @@ def test_checks_made_once_beside_others(sites, mode):
     assert found[-1].iteration == 3 and found[-2].element == (3,)
 
 
-@pytest.mark.parametrize("where", ["no mesh", "auto", "explicit"])
-def test_many_checks_of_every_size_and_value_type(where):
+@pytest.mark.parametrize(
+    "where, copies", [("no mesh", 1), ("no mesh", 4), ("auto", 1), ("explicit", 1)]
+)
+def test_many_checks_of_every_size_and_value_type(where, copies):
     """Checks on small arrays of several sizes (sharing their details), larger ones
     and scalars, with values of every kind, each failing or not: every failure is
     reported in program order, with its count, first element and values, on one
-    device and on either kind of mesh."""
+    device and on either kind of mesh. On one device, a few checks on small arrays
+    read their values after the reduction that finds where, and more carry them in
+    it (`_shared_details`): `copies` of the shapes take either way."""
     kind = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}.get(where)
     mesh = kind and jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(kind, kind))
-    shapes = [(3,), (8, 4), (5, 7), (64,), (70, 80), (), (2, 2, 2)]
+    shapes = [(3,), (8, 4), (5, 7), (64,), (70, 80), (), (2, 2, 2)] * copies
 
     def f(xs):
         for i, x in enumerate(xs):
