@@ -11,10 +11,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ._check_state import BATCH_DEPTH, CALL, CALLS, COUNT, STATE_SIZE
-from ._check_stats import _stacked
+from ._check_stats import _SELECTED, _selected, _stacked
 
 
 # A once-evaluated site's row: its statistics, then its value words.
@@ -39,37 +38,6 @@ def _evaluated_once(rows: list[list]) -> Any:
     words = _column([w for r in rows for w in r[_ONCE:]])
     words = jnp.reshape(words, (len(rows), width - _ONCE))
     return jnp.concatenate([jnp.stack(columns, axis=1), words], axis=1)
-
-
-# Up to this many once-evaluated sites go into one operation, `_selected`; more,
-# into concatenations (`_stacked`): the selects grow with the square of the sites.
-_SELECTED = 16
-
-
-def _selected(rows: list[list]) -> Any:
-    """`rows` (of int32 scalars, traced or not; missing ones 0) as an int32 array,
-    in one elementwise operation: each element picks its value from a chain of
-    selects on where it is. XLA compiles that as one kernel, where concatenating
-    the values would take several (see `_stacked`), each milliseconds to
-    compile."""
-    shape = (len(rows), max(map(len, rows)))
-    fixed = np.zeros(shape, np.int32)
-    traced = []
-    for i, row in enumerate(rows):
-        for j, v in enumerate(row):
-            if isinstance(v, jax.core.Tracer):
-                traced.append((i, j, v))
-            else:
-                fixed[i, j] = np.asarray(v)
-    if not traced:
-        return fixed
-    rows_at = lax.broadcasted_iota(jnp.int32, shape, 0)
-    columns_at = lax.broadcasted_iota(jnp.int32, shape, 1)
-    out = jnp.asarray(fixed)
-    for i, j, v in traced:
-        here = (rows_at == i) & (columns_at == j)
-        out = jnp.where(here, jnp.asarray(v, jnp.int32), out)
-    return out
 
 
 def _full(once: Any, states: Any, xp=jnp) -> Any:

@@ -209,7 +209,7 @@ def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, 
 
     Without `any_fail` (on one device), on every call: XLA's CPU backend compiles
     and runs that in less time than a `lax.cond` that would skip it when nothing
-    failed; for up to `_PICKED` items, the reduction only counts and locates, and
+    failed; for up to `_SELECTED` items, the reduction only counts and locates, and
     the values are read after (`located`). With it (on a mesh, where stacking lays
     the predicates out anew on every device), only when `any_fail` holds. The
     matrices hold every item's elements: keep the items small."""
@@ -253,12 +253,9 @@ def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, 
     def located(operands, values):
         # Carrying the values in the reduction takes their words stacked into
         # matrices, a kernel to compile per four items; read after, they go into
-        # the words in one elementwise operation (a chain of selects, see
-        # `_check_rows._selected`), which grows with the square of the items.
+        # the words in one elementwise operation (`_selected`).
         counts, firsts = [], []
-        words = jnp.zeros((len(items), width), jnp.int32)
-        rows_at = lax.broadcasted_iota(jnp.int32, words.shape, 0)
-        columns_at = lax.broadcasted_iota(jnp.int32, words.shape, 1)
+        words: list = [None] * len(items)
         for length in lengths:
             fails = failing(operands, length)
             index = lax.broadcasted_iota(jnp.int32, fails.shape, 1)
@@ -273,10 +270,8 @@ def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, 
                     else v
                     for v in values[i]
                 ]
-                for k, word in enumerate(_encode(picked)):
-                    here = (rows_at == i) & (columns_at == k)
-                    words = jnp.where(here, word, words)
-        return in_order(counts), in_order(firsts), words
+                words[i] = _encode(picked)
+        return in_order(counts), in_order(firsts), jnp.asarray(_selected(words))
 
     def passing(operands, values):
         del operands, values
@@ -288,13 +283,8 @@ def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, 
     operands = [item.operand for item in items]
     values = [item.values for item in items]
     if any_fail is None:
-        return (located if len(items) <= _PICKED else details)(operands, values)
+        return (located if len(items) <= _SELECTED else details)(operands, values)
     return _cond(any_fail, details, passing, operands, values)
-
-
-# Up to this many checks on small arrays, on one device, read their values after
-# the reduction that finds where (see `_shared_details`).
-_PICKED = 16
 
 
 def _cond(pred, details: Callable, passing: Callable, *operands) -> Any:
@@ -338,6 +328,39 @@ def _stacked(rows: list, fused: int = 8) -> Any:
             for i in range(0, len(rows), fused)
         ]
     )
+
+
+# Up to this many rows go into one operation, `_selected`: the selects grow with the
+# square of the rows. More once-evaluated sites go into concatenations (`_stacked`),
+# more checks on small arrays carry their values in their reduction
+# (`_shared_details`).
+_SELECTED = 16
+
+
+def _selected(rows: list[list]) -> Any:
+    """`rows` (of int32 scalars, traced or not; missing ones 0) as an int32 array,
+    in one elementwise operation: each element picks its value from a chain of
+    selects on where it is. XLA compiles that as one kernel, where concatenating
+    the values would take several (see `_stacked`), each milliseconds to
+    compile."""
+    shape = (len(rows), max(map(len, rows)))
+    fixed = np.zeros(shape, np.int32)
+    traced = []
+    for i, row in enumerate(rows):
+        for j, v in enumerate(row):
+            if isinstance(v, jax.core.Tracer):
+                traced.append((i, j, v))
+            else:
+                fixed[i, j] = np.asarray(v)
+    if not traced:
+        return fixed
+    rows_at = lax.broadcasted_iota(jnp.int32, shape, 0)
+    columns_at = lax.broadcasted_iota(jnp.int32, shape, 1)
+    out = jnp.asarray(fixed)
+    for i, j, v in traced:
+        here = (rows_at == i) & (columns_at == j)
+        out = jnp.where(here, jnp.asarray(v, jnp.int32), out)
+    return out
 
 
 def _row(x, length: int, fill) -> Any:
