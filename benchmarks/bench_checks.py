@@ -48,8 +48,8 @@
 (f) Compile time: a function of 64 floats making 10, 100 and 1,000 checks, scalar
     (`x[i] > -1 - i`) or over the array (`x * (i + 1) < 1e9`), each showing a value:
     XLA's compile time with jaxshard (the program both modes run), with checkify
-    and with no checks, and per check (over no checks); medians of 3 rounds, JAX's
-    caches cleared before each compile.
+    and with no checks, and per check (over no checks); medians of 21, 9 and 3
+    rounds, JAX's caches cleared before each compile.
 (g) First call: trace, compile and one step of each variant of (a), with JAX's
     caches cleared.
 
@@ -109,7 +109,6 @@ ROUNDS = {
     "wrapper": 2 if QUICK else 10,
     "shapes": 2 if QUICK else 6,
     "first": 2 if QUICK else 4,
-    "compile": 1 if QUICK else 3,
 }
 FINITE_CALLS, WRAPPER_CALLS = (5, 50) if QUICK else (30, 200)
 
@@ -454,13 +453,16 @@ def shaped_loops(devices: int, width: int, steps: int) -> dict:
 # --- (f) compile time ----------------------------------------------------------------
 
 CHECK_COUNTS = (10, 100) if QUICK else (10, 100, 1000)
+# Rounds per number of checks: a program of ten checks compiles in tens of
+# milliseconds, as much as this machine's noise, and takes more rounds to measure.
+COMPILE_ROUNDS = {10: 21, 100: 9, 1000: 3}
 
 
 def compile_times(n: int, kind: str) -> dict:
     """Seconds to trace and lower, and to compile (XLA), a function of 64 floats
     making `n` checks: with jaxshard (the program `checked(jax.jit(f))` runs in
     either mode), with checkify (`jax.jit(checkify.checkify(f))`), and without
-    checks; the median of `ROUNDS["compile"]` rounds, in alternating
+    checks; the median of `COMPILE_ROUNDS[n]` rounds, in alternating
     order, each with JAX's caches cleared. `kind` "scalar" checks `x[i] > -1 - i`;
     "array" checks `x * (i + 1) < 1e9`, each with the value in the message.
     (`checked(...).lower` lowers the program a checked call runs.)"""
@@ -504,7 +506,7 @@ def compile_times(n: int, kind: str) -> dict:
         "checkify": timed(lambda: jax.jit(checkify.checkify(with_checkify))),
         "no checks": timed(lambda: jax.jit(without)),
     }
-    times = side_by_side(runs, ROUNDS["compile"])
+    times = side_by_side(runs, 1 if QUICK else COMPILE_ROUNDS[n])
     return {
         name: tuple(median(t[i] for t in times[name]) for i in range(2))
         for name in runs
