@@ -52,6 +52,12 @@
     rounds, JAX's caches cleared before each compile.
 (g) First call: trace, compile and one step of each variant of (a), with JAX's
     caches cleared.
+(h) The flag vector of (a) with its gradients' predicate written by hand three ways:
+    whole on every device (as in (a)); each device testing its share of the
+    replicated gradients, the verdicts combined by an all-reduce (what jaxshard
+    does); each device keeping its own verdict, with no collective; and with no
+    gradients' predicate. Beside jaxshard's deferred loop: what the simulated mesh
+    charges for a predicate over the gradients, whichever way it is computed.
 
 jaxshard's checks run on an Explicit mesh if they can; otherwise (a) and (c) run on an
 Auto mesh, and the output says why.
@@ -89,6 +95,7 @@ import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
 from jax.experimental import checkify  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
@@ -100,7 +107,7 @@ BATCHES = 4  # distinct batches, cycled through
 LR = 0.01
 QUICK = "--quick" in sys.argv[1:]  # a smoke test of the script, not a measurement
 # `--only=af`: only those parts (letters as below); all of them by default.
-ONLY = next((a[7:] for a in sys.argv[1:] if a.startswith("--only=")), "abcdefg")
+ONLY = next((a[7:] for a in sys.argv[1:] if a.startswith("--only=")), "abcdefgh")
 # Even numbers of rounds: each order (forward, backward) runs as often.
 STEPS = 20 if QUICK else 100
 ROUNDS = {
@@ -541,6 +548,77 @@ def first_calls(mesh) -> dict:
     return side_by_side({name: first(name) for name in names}, ROUNDS["first"])
 
 
+# --- (h) the gradients' predicate by hand, on a mesh ---------------------------------
+
+
+def by_hand_loops(mesh) -> dict:
+    """The flag-vector loop of (a) with its gradients' predicate written three ways
+    (and left out): whole on every device, as in (a); each device tests its share of
+    the replicated gradients, and an all-reduce combines the devices' verdicts;
+    each device keeps its own verdict, in a flag sharded over the devices (no
+    collective; the devices of a failing step would disagree). With the unchecked
+    loop and jaxshard's deferred one: functions running `steps` steps, as in
+    `loops`."""
+    devices = mesh.shape["dp"]
+    params, batches = data(mesh)
+    runs = loops(mesh)
+
+    def shares_finite(grads):
+        i = lax.axis_index("dp")
+        shares = [
+            lax.dynamic_index_in_dim(g.reshape(devices, -1), i, keepdims=False)
+            if g.size % devices == 0
+            else g
+            for g in jax.tree.leaves(grads)
+        ]
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(s)) for s in shares]))
+
+    def combined(grads):
+        return lax.pmin(shares_finite(grads).astype(jnp.int32), "dp") > 0
+
+    def kept(grads):
+        return shares_finite(grads)[None]
+
+    def by_shares(fn, spec):
+        return jax.shard_map(fn, mesh=mesh, in_specs=(P(),), out_specs=spec)
+
+    predicates = {
+        "flag vector, whole on each device": (all_finite, P()),
+        "flag vector, shares, all-reduce": (by_shares(combined, P()), P()),
+        "flag vector, shares, per device": (by_shares(kept, P("dp")), P("dp")),
+        "flag vector, no gradients' check": (lambda grads: jnp.ones((), bool), P()),
+    }
+
+    def flag_loop(grads_ok, spec):
+        @jax.jit
+        def step(params, x, y, ok):
+            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+            found = jnp.stack([jnp.isfinite(loss), labels_ok(y)])
+            return sgd(params, grads), (ok[0] & found, ok[1] & grads_ok(grads))
+
+        shape = (devices,) if spec == P("dp") else ()
+        start = (
+            jnp.ones(2, bool),
+            jnp.ones(shape, bool, device=NamedSharding(mesh, spec)),
+        )
+
+        def run(steps: int) -> float:
+            began = time.perf_counter()
+            p, ok = params, start
+            for i in range(steps):
+                p, ok = step(p, *batches[i % BATCHES], ok)
+            assert all(np.asarray(o).all() for o in ok), ok
+            return (time.perf_counter() - began) / steps
+
+        return run
+
+    return {
+        "unchecked": runs["unchecked"],
+        "jaxshard deferred": runs["jaxshard deferred"],
+        **{name: flag_loop(*how) for name, how in predicates.items()},
+    }
+
+
 # --- the table ----------------------------------------------------------------------
 
 
@@ -718,6 +796,22 @@ def main() -> int:
         for name, t in times.items():
             ratio = paired(times, name, "unchecked")
             rows.append((name, f"{median(t):.2f}", f"{ratio:.2f}"))
+        print_table(rows)
+    # (h) the gradients' predicate by hand
+    if "h" in ONLY:
+        with jax.set_mesh(meshes[loop_kind]):
+            runs = by_hand_loops(meshes[loop_kind])
+            for run in runs.values():
+                run(2)
+            runs = {name: ft.partial(run, STEPS) for name, run in runs.items()}
+            times = side_by_side(runs, ROUNDS["loop"])
+        flag = "flag vector, whole on each device"
+        rows = [(f"(h) {loop_kind} mesh, by hand", "ms/step", "x unchecked", "x flag")]
+        for name, t in times.items():
+            rows.append(
+                (name, f"{median(t) * 1e3:.2f}")
+                + tuple(f"{paired(times, name, b):.3f}" for b in ("unchecked", flag))
+            )
         print_table(rows)
     seconds = time.perf_counter() - started
     print(f"({seconds:.0f} s; medians over rounds; ratios paired within rounds)")
