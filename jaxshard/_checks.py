@@ -237,8 +237,7 @@ def _check(
 
 def _check_many(entries: list[tuple], filename: str, lineno: int) -> None:
     """Several checks made at one place (`check_finite`'s leaves): on a mesh of
-    several devices their details share one `lax.cond`, so that passing costs one
-    branch for all of them."""
+    several devices their statistics cross the devices in one collective."""
     settings = _config.current()
     if settings.checks == "off":
         return
@@ -448,7 +447,8 @@ def check_finite(tree: Any, name: str | None = None) -> None:
 
     On a mesh of several devices (Explicit or Auto axes), a replicated leaf is
     checked a slice per device rather than whole on every device: each device looks
-    at its share, and one integer is combined across devices for the whole tree.
+    at its share, and one collective of a few integers per leaf combines the
+    devices' findings for the whole tree.
 
     **Arguments:**
 

@@ -788,8 +788,9 @@ def test_check_finite_splits_replicated_leaves(mesh, spec):
 @pytest.mark.parametrize("spec", [P(), P("dp"), P(None, "tp"), P("tp", "dp")])
 def test_large_arrays_are_reported_where_they_lie(kind, spec):
     """A check on an array too large to share its details (4,096 elements) finds
-    its failures in one pass over each device's share of its block: the count, the
-    first element and its values are exact, and nothing is gathered."""
+    its failures in one pass over each device's share of its block, with no
+    branch: the count, the first element and its values are exact, nothing is
+    gathered, and the devices' findings cross in one all-reduce."""
     axis = {"explicit": AxisType.Explicit}.get(kind, AxisType.Auto)
     mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(axis, axis))
     shape = (640, 512)
@@ -813,7 +814,9 @@ def test_large_arrays_are_reported_where_they_lie(kind, spec):
     with context:
         finite, label = failures(g, *args)
         program = g.lower(*args).compile().as_text()
-    assert "all-gather" not in program
+    assert "all-gather" not in program and "conditional" not in program
+    entry = program[program.index("\nENTRY") :]
+    assert entry.count("all-reduce(") == (0 if kind == "one device" else 1)
     assert finite.count == 4 and finite.element == (17, 499)
     assert finite.values["value"] == np.inf
     assert label.count == np.sum(labels >= 6) and label.element == (0, 6)
