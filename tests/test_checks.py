@@ -784,13 +784,22 @@ def test_check_finite_splits_replicated_leaves(mesh, spec):
     assert found.message == "tree['w'] holds NaN or infinity (first: nan)"
 
 
-@pytest.mark.parametrize("kind", ["explicit", "auto", "one device"])
+@pytest.mark.parametrize(
+    "kind, rounds",
+    [("explicit", 1), ("auto", 1), ("explicit", 2), ("auto", 2), ("one device", 0)],
+)
 @pytest.mark.parametrize("spec", [P(), P("dp"), P(None, "tp"), P("tp", "dp")])
-def test_large_arrays_are_reported_where_they_lie(kind, spec):
+def test_large_arrays_are_reported_where_they_lie(kind, rounds, spec, monkeypatch):
     """A check on an array too large to share its details (4,096 elements) finds
     its failures in one pass over each device's share of its block, with no
-    branch: the count, the first element and its values are exact, nothing is
-    gathered, and the devices' findings cross in one all-reduce."""
+    branch: the count, the first element and its values are exact, and nothing is
+    gathered. The devices' findings cross in one all-reduce of a row per device;
+    where those rows would be too many words (a pod with many checks), in two
+    rounds of one row each."""
+    from jaxshard import _check_stats
+
+    if rounds == 2:
+        monkeypatch.setattr(_check_stats, "_GATHERED", 0)
     axis = {"explicit": AxisType.Explicit}.get(kind, AxisType.Auto)
     mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(axis, axis))
     shape = (640, 512)
@@ -815,18 +824,27 @@ def test_large_arrays_are_reported_where_they_lie(kind, spec):
         finite, label = failures(g, *args)
         program = g.lower(*args).compile().as_text()
     assert "all-gather" not in program and "conditional" not in program
-    entry = program[program.index("\nENTRY") :]
-    assert entry.count("all-reduce(") == (0 if kind == "one device" else 1)
+    reductions = re.findall(r"= ([^=]*) all-reduce\(", program)  # their types
+    assert bool(reductions) == bool(rounds)
+    # A row per device (8 of them) in one all-reduce, or one row at a time.
+    assert any("s32[8," in r for r in reductions) == (rounds == 1), reductions
     assert finite.count == 4 and finite.element == (17, 499)
     assert finite.values["value"] == np.inf
     assert label.count == np.sum(labels >= 6) and label.element == (0, 6)
     assert label.values == {"l": 6, "x": 0.0}
 
 
+@pytest.mark.parametrize("rounds", [1, 2])
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
-def test_a_repeated_block_too_small_to_slice_counts_once(kind):
+def test_a_repeated_block_too_small_to_slice_counts_once(kind, rounds, monkeypatch):
     """A replicated array whose size the devices do not divide is screened whole on
-    each of them, and each failure is still counted once."""
+    each of them, and each failure is still counted once, its value read from one
+    device (the findings crossing the devices in one round or two: see
+    `test_large_arrays_are_reported_where_they_lie`)."""
+    from jaxshard import _check_stats
+
+    if rounds == 2:
+        monkeypatch.setattr(_check_stats, "_GATHERED", 0)
     axis = {"explicit": AxisType.Explicit}.get(kind, AxisType.Auto)
     mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(axis, axis))
     x = np.zeros((643, 7), np.float32)  # 4,501 elements: not a multiple of 8
@@ -834,14 +852,16 @@ def test_a_repeated_block_too_small_to_slice_counts_once(kind):
 
     def f(x):
         jaxshard.check_finite(x, name="x")
+        jaxshard.check(jnp.abs(x) < 1e30, "x is {v}", v=x)  # its value read
         return x
 
     with jax.set_mesh(mesh):
-        (found,) = failures(
+        found = failures(
             jaxshard.checked(jax.jit(f)), jax.device_put(x, NamedSharding(mesh, P()))
         )
-    assert found.count == 3 and found.element == (5, 2)
-    assert found.values["value"] == -np.inf
+    for failure in found:
+        assert failure.count == 3 and failure.element == (5, 2)
+    assert [f.values for f in found] == [{"value": -np.inf}, {"v": -np.inf}]
 
 
 @hypothesis.settings(max_examples=25, deadline=None)
