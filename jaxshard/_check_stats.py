@@ -83,7 +83,8 @@ def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
     (`_on_blocks`): each device finds the statistics of its share of each operand
     (a slice of its block where the block is repeated on other devices), and one
     all-gather of those, a few int32 words per item, lets every device combine
-    them alike (`_combined`). Nothing else crosses devices.
+    them alike (`_across_devices`; on many devices with many items, two rounds of
+    one device's worth). Nothing else crosses devices.
 
     That costs a passing call one reduction per item over its share and one
     collective. Screening the shares, combining the screens and computing the
@@ -126,15 +127,7 @@ def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
                     item, key, c, blocks[at], picked, specs[at], mesh
                 )
             axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
-            devices = int(np.prod([n for _, n in axes]))
-            if devices * len(row) > _GATHERED:
-                return tuple(_reduced(jnp.stack(row), widths, axes))
-            # Each device's row in its own place, summed: an all-gather whose
-            # result JAX knows is the same on every device.
-            places = lax.broadcasted_iota(jnp.int32, (devices, 1), 0)
-            mine = jnp.where(places == _linear_index(axes), jnp.stack(row), 0)
-            rows = _all_reduce(mine, axes, lax.psum)
-            return tuple(_combined(rows, widths))
+            return tuple(_across_devices(jnp.stack(row), widths, axes))
 
         return on_blocks
 
@@ -212,42 +205,41 @@ def _share_statistics(
 
 
 # Up to this many int32 words (devices x words per device) cross the devices in one
-# all-reduce (`_combined`); more, in two rounds of a device's worth (`_reduced`).
+# all-reduce; more, in two rounds of one device's worth each (`_across_devices`).
 _GATHERED = 1 << 16
 
 
-def _reduced(row, widths: list[int], axes) -> list:
-    """What `_combined` makes of every device's `row` (int32 `[sum(widths)]`, as
-    there), moving one row's worth per collective rather than one per device:
-    counts summed and first failing elements' least in one round, then the
-    values from the one device holding it (a first failing element is in one
-    device's row only: `_share_statistics`)."""
+def _across_devices(row, widths: list[int], axes) -> list:
+    """The statistics of the whole arrays, the same on every device, from each
+    device's `row` (int32, per item `widths[i]` words: `[count, first failing
+    element, *value words]`, from `_share_statistics`): counts summed, the least
+    first failing element, and the values from the one device holding it.
+
+    Every device's row, each in its own place, in one all-reduce (an all-gather
+    whose result JAX knows is the same on every device), where that is at most
+    `_GATHERED` words. Else one row's worth at a time in two rounds: the counts
+    and the least first elements, then the values from the device holding it."""
     owner = np.repeat(np.arange(len(widths)), widths)
     starts = np.cumsum([0, *widths[:-1]])
-    counts = _all_reduce(row[starts], axes, lax.psum)
-    firsts = row[starts + 1]
-    least = _all_reduce(firsts, axes, lax.pmin)
-    holds = (firsts == least)[owner]
-    values = _all_reduce(jnp.where(holds, row, 0), axes, lax.psum)
-    at = np.arange(row.shape[0])
+    devices = int(np.prod([n for _, n in axes]))
+    if devices * row.size <= _GATHERED:
+        places = lax.broadcasted_iota(jnp.int32, (devices, 1), 0)
+        rows = _all_reduce(
+            jnp.where(places == _linear_index(axes), row, 0), axes, lax.psum
+        )
+        counts = jnp.sum(rows[:, starts], axis=0)
+        least = jnp.min(rows[:, starts + 1], axis=0)
+        holder = jnp.argmin(rows[:, starts + 1], axis=0).astype(jnp.int32)[owner]
+        values = jnp.sum(jnp.where(places == holder, rows, 0), axis=0)
+    else:
+        counts = _all_reduce(row[starts], axes, lax.psum)
+        least = _all_reduce(row[starts + 1], axes, lax.pmin)
+        holds = (row[starts + 1] == least)[owner]
+        values = _all_reduce(jnp.where(holds, row, 0), axes, lax.psum)
+    at = np.arange(row.size)
     out = jnp.where(np.isin(at, starts + 1), least[owner], values)
     out = jnp.where(np.isin(at, starts), counts[owner], out)
-    return [out[i] for i in range(row.shape[0])]
-
-
-def _combined(rows, widths: list[int]) -> list:
-    """The statistics of the whole arrays from every device's (`rows`, int32
-    `[devices, sum(widths)]`: per item, `widths[i]` words, `[count, first, *value
-    words]`): counts summed, and the rest from the device with the least first
-    failing element."""
-    owner = np.repeat(np.arange(len(widths)), widths)
-    starts = np.cumsum([0, *widths[:-1]])
-    holder = jnp.argmin(rows[:, starts + 1], axis=0).astype(jnp.int32)[owner]
-    devices = lax.broadcasted_iota(jnp.int32, rows.shape, 0)
-    picked = jnp.sum(jnp.where(devices == holder, rows, 0), axis=0)
-    is_count = np.isin(np.arange(rows.shape[1]), starts)
-    out = jnp.where(is_count, jnp.sum(rows, axis=0), picked)
-    return [out[i] for i in range(rows.shape[1])]
+    return [out[i] for i in at]
 
 
 def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, Any]:
