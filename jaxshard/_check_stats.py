@@ -93,14 +93,16 @@ def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
     0.12): its runtime runs the rest of the step around a branch less well than
     around a reduction."""
     explicit = set(mesh.axis_types) == {AxisType.Explicit}
+    # The values each item's row carries: its array values.
+    carried = [[i for i, v in enumerate(item.values) if jnp.shape(v)] for item in items]
     # Per item: its operand, then the array values read where it fails (none for a
     # keyed item, whose key tells them); where its operand is among them.
     operands, starts, reads, like = [], [], [], []
     keyed = [_keyed(item) for item in items]
-    for item, key in zip(items, keyed):
+    for item, key, c in zip(items, keyed, carried):
         operand = lax.stop_gradient(item.operand)
         sharding = jax.typeof(operand).sharding
-        arrays = [] if key else [i for i, v in enumerate(item.values) if jnp.shape(v)]
+        arrays = [] if key else c
         starts.append(len(operands))
         reads.append(arrays)
         like += [len(operands)] * (1 + len(arrays))
@@ -111,8 +113,6 @@ def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
             if explicit and jax.typeof(v).sharding.spec != sharding.spec:
                 v = jax.sharding.reshard(v, sharding)
             operands.append(v)
-    # The values each item's row carries: its array values.
-    carried = [[i for i, v in enumerate(item.values) if jnp.shape(v)] for item in items]
     widths = [
         2 + sum(_words(item.values[i].dtype) for i in c)
         for item, c in zip(items, carried)
@@ -170,29 +170,18 @@ def _share_statistics(
 ) -> list:
     """`[count, first failing element, *words of the carried values there]` of
     `item` over this device's share of its `block` (and of its array values'
-    blocks, `picked`, unless `keyed`), as int32 scalars: one reduction over the
-    share (`_count_least`), and a read of each value there."""
+    blocks, `picked`, unless `keyed`), as int32 scalars: the one-device statistics
+    of the share (`_locate`), at its place in the whole array."""
     axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
     share, start = _share(block, spec, axes, start=True)
     fail = jnp.logical_not(item.pred_fn(share))
-    position = _flat_index(fail)
     if keyed:
         kind, table = item.kinds
-        key = position * len(table) + kind(share)
-        count, least = _count_least(fail, key, tuple(range(fail.ndim)))
-        at = least // len(table)
-        values = [
-            _select(least % len(table), table, item.values[i].dtype) for i in carried
-        ]
+        shown = [jnp.zeros((), item.values[i].dtype) for i in carried]  # dtypes
+        count, at, *values = _locate(fail, shown, (kind(share), table))
     else:
-        count, at = _count_least(fail, position, tuple(range(fail.ndim)))
-        i = jnp.minimum(at, share.size - 1)  # an element if none failed
-        values = [
-            lax.dynamic_index_in_dim(
-                jnp.ravel(_share(p, spec, axes)), i, keepdims=False
-            )
-            for p in picked
-        ]
+        shares = [_share(p, spec, axes) for p in picked]
+        count, at, *values = _locate(fail, shares)
     first = jnp.where(
         count > 0, _global_position(start + at, block.shape, spec, mesh), _BIG
     )
