@@ -114,7 +114,10 @@ ROUNDS = {
     "loop": 2 if QUICK else 10,
     "finite": 2 if QUICK else 10,
     "wrapper": 2 if QUICK else 10,
-    "shapes": 2 if QUICK else 6,
+    # A call of (d)'s MLP step moves the calling thread's time by tens of
+    # microseconds from round to round (XLA runs part of the step on it): more rounds.
+    "dispatch mlp": 2 if QUICK else 30,
+    "shapes": 2 if QUICK else 8,
     "first": 2 if QUICK else 4,
 }
 FINITE_CALLS, WRAPPER_CALLS = (5, 50) if QUICK else (30, 200)
@@ -203,10 +206,11 @@ def data(mesh, width=HIDDEN):
 # --- the loops ----------------------------------------------------------------------
 
 
-def loops(mesh, width=HIDDEN) -> dict:
+def loops(mesh, width=HIDDEN, made=None) -> dict:
     """Each variant as a function that runs a loop of `steps` steps from the same
-    start and returns the seconds per step."""
-    params, batches = data(mesh, width)
+    start (`made`, what `data` returns, or new data) and returns the seconds per
+    step."""
+    params, batches = made or data(mesh, width)
     unchecked = jax.jit(unchecked_step)
     checked = jaxshard.checked(jax.jit(jaxshard_step))
     flag = jax.jit(flag_step)
@@ -404,7 +408,8 @@ def dispatch_times(mode: str, kind: str) -> dict:
             runs["program"] = per_call(_program_alone(f, mode, args))
         for run in runs.values():  # compile, warm up
             run()
-        times = side_by_side(runs, ROUNDS["wrapper"])
+        rounds = ROUNDS["wrapper" if kind == "small" else "dispatch mlp"]
+        times = side_by_side(runs, rounds)
         if mode == "deferred":
             jaxshard.flush_checks()
     return times
@@ -561,7 +566,7 @@ def by_hand_loops(mesh) -> dict:
     `loops`."""
     devices = mesh.shape["dp"]
     params, batches = data(mesh)
-    runs = loops(mesh)
+    runs = loops(mesh, made=(params, batches))
 
     def shares_finite(grads):
         i = lax.axis_index("dp")
