@@ -14,6 +14,7 @@ import dataclasses
 import functools as ft
 import itertools
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,8 +47,9 @@ from ._jax_internals import current_trace, jit_parameters, new_ref_in
 # with its checks recording into a `Frame`, and returns what they found with `f`'s
 # outputs. The program has no Refs among its inputs, so JAX dispatches it through
 # its C++ fast path. It returns its checks' rows: in "raise" mode they are read after
-# each call; in "deferred" mode the wrapper keeps them and reads those of calls the
-# device has finished, at later calls, so the host never waits until a flush.
+# each call; in "deferred" mode the wrapper stacks those of many calls on the device
+# and reads the stacks the device has made, at later calls, so the host never waits
+# until a flush (see `Scope.run_compiled`).
 
 
 class Findings:
@@ -74,13 +76,6 @@ class Findings:
             failed = failed or np.count_nonzero(states[:, COUNT]) > 0
         return (once, states), failed
 
-    def ready(self) -> bool:
-        """Whether the device has made the rows (reading them would not wait)."""
-        once, states = self.packed
-        return (once is None or once.is_ready()) and (
-            states is None or states.is_ready()
-        )
-
 
 jax.tree_util.register_pytree_node(
     Findings,
@@ -93,10 +88,11 @@ def _compiled(fn: Callable) -> Callable | None:
     """`fn` as a program that also returns what its checks found, `Findings`, if
     `fn` is a `jax.jit` function; else `None`.
 
-    `jax.jit` of the function `fn` wraps, with `fn`'s static and donated arguments
-    and its `in_shardings` and `out_shardings` (a jitted function called inside it
-    would close over the checks' Refs, and JAX cannot discharge those from a jit
-    with shardings). Both modes run it (see `Scope.run_compiled`)."""
+    `jax.jit` of the function `fn` wraps, with what `fn` was given (see
+    `jit_parameters`): static and donated arguments, shardings and layouts, device,
+    ... (a jitted function called inside it would close over the checks' Refs, and
+    JAX cannot discharge those from a jit with shardings). Both modes run it (see
+    `Scope.run_compiled`)."""
     params = jit_parameters(fn)
     if params is None:
         return None
@@ -111,7 +107,10 @@ def _compiled(fn: Callable) -> Callable | None:
     kept = {k: v for k, v in params.items() if k not in ("fun", "out_shardings")}
     if "out_shardings" in params:
         kept["out_shardings"] = (params["out_shardings"], None)
-    return jax.jit(program, **kept)
+    with warnings.catch_warnings():
+        # `device` and `backend`, deprecated: `jax.jit(fn, ...)` warned already.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return jax.jit(program, **kept)
 
 
 class _Frames(threading.local):

@@ -50,6 +50,7 @@ from typing import Any
 import jax
 import jaxtyping
 from jax._src import mesh as _mesh_lib  # the legacy `with mesh:`, for context_mesh
+from jax.experimental.layout import Format
 from jax.extend.core import find_top_trace, Primitive, set_current_trace
 from jax.extend.mlir import ir
 from jax.interpreters import ad, batching, mlir, partial_eval as pe
@@ -409,8 +410,10 @@ def jit_parameters(fn: Any) -> dict[str, Any] | None:
     """What `jax.jit` was given for `fn`, or `None` if `fn` is not a `jax.jit`
     function: `fun` (the function it wraps), `static_argnums`, `static_argnames`,
     `donate_argnums`, `donate_argnames`, and `keep_unused`, `compiler_options`,
-    `in_shardings` and `out_shardings` when they were given (the shardings as
-    pytrees; an unspecified leaf is `None`).
+    `device`, `backend`, `in_shardings` and `out_shardings` when they were given
+    (the shardings as pytrees; an unspecified leaf is `None`, a leaf given a layout
+    a `jax.experimental.layout.Format` again). Not `inline`, which only matters to a
+    call inside a trace.
 
     Read from jit's own record of its parameters (`_jit_info`), which has no public
     equivalent; the same on jax 0.10.2 to 0.12.0.1.
@@ -427,16 +430,34 @@ def jit_parameters(fn: Any) -> dict[str, Any] | None:
             out["keep_unused"] = True
         if info.compiler_options_kvs:
             out["compiler_options"] = dict(info.compiler_options_kvs)
-        if info.user_specified_in_shardings:
-            out["in_shardings"] = _shardings(
-                info.in_shardings_treedef, info.in_shardings_leaves
+        for name in ("device", "backend"):
+            if getattr(info, name) is not None:
+                out[name] = getattr(info, name)
+        for side in ("in", "out"):
+            shardings = getattr(info, f"{side}_shardings_leaves")
+            layouts = getattr(info, f"{side}_layouts_leaves")
+            given = (
+                info.user_specified_in_shardings
+                if side == "in"
+                else not all(_unspecified(x) for x in shardings)
             )
-        leaves = info.out_shardings_leaves
-        if not all(_unspecified(x) for x in leaves):
-            out["out_shardings"] = _shardings(info.out_shardings_treedef, leaves)
-    except (AttributeError, TypeError):
+            if not given and all(x is None for x in layouts):
+                continue
+            leaves = [
+                x if layout is None else Format(layout, x)
+                for x, layout in zip(
+                    [None if _unspecified(x) else x for x in shardings], layouts
+                )
+            ]
+            treedef = getattr(info, f"{side}_shardings_treedef")
+            out[f"{side}_shardings"] = jax.tree_util.tree_unflatten(treedef, leaves)
+    except (AttributeError, TypeError, ValueError):
         return None
     return out
+
+
+def _unspecified(x: Any) -> bool:
+    return type(x).__name__ == "UnspecifiedValue"
 
 
 def is_sharding_type_error(e: BaseException) -> bool:
@@ -444,15 +465,6 @@ def is_sharding_type_error(e: BaseException) -> bool:
     result's sharding cannot be inferred), which JAX does not export; the same class
     on jax 0.10.2 to 0.12.0.1."""
     return any(c.__name__ == "ShardingTypeError" for c in type(e).__mro__)
-
-
-def _unspecified(x: Any) -> bool:
-    return type(x).__name__ == "UnspecifiedValue"
-
-
-def _shardings(treedef: Any, leaves: Any) -> Any:
-    leaves = [None if _unspecified(x) else x for x in leaves]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 # The trace JAX runs op by op in: `find_top_trace(())` is the current trace.

@@ -395,19 +395,19 @@ def test_deferred_findings_are_merged_across_calls_and_shapes():
 
 
 def test_deferred_reads_only_finished_calls(monkeypatch):
-    """In deferred mode, once 64 calls' findings are kept, a call reads those of
-    the calls the device has finished, never one it would wait for: over a long
-    loop, what the function keeps unread stays as small as that and the calls in
-    flight."""
-    from jaxshard._check_frames import Findings
+    """In deferred mode, the findings of every 64 calls are stacked on the device
+    into one array, and a call reads the stacks the device has made, never one it
+    would wait for: over a long loop, what the function keeps unread stays as small
+    as that and the calls in flight. A failure keeps its call's index."""
+    from jaxshard import _check_records
 
-    read, ready = Findings.read, []
+    read, ready = _check_records._to_host, []
 
-    def spy(self):
-        ready.append(self.ready())
-        return read(self)
+    def spy(packed):
+        ready.append(_check_records._ready(packed))
+        return read(packed)
 
-    monkeypatch.setattr(Findings, "read", spy)
+    monkeypatch.setattr(_check_records, "_to_host", spy)
     step = step_fn()
     with pytest.raises(jaxshard.CheckError) as e:
         with jaxshard.deferred_checks():
@@ -415,8 +415,11 @@ def test_deferred_reads_only_finished_calls(monkeypatch):
                 out = step(jnp.float32(9 if i == 150 else 0))
                 if i % 10 == 9:
                     out.block_until_ready()
-            assert len(ready) >= 120 and all(ready)
-            assert len(step.scope._pending) <= 64 + 10
+            scope = step.scope
+            assert 1 <= len(ready) <= 3 and all(ready)  # one read per 64 calls
+            assert all(stacked for *_, stacked in scope._pending)
+            assert len(scope._fresh) < 64 and len(scope._pending) <= 2
+    assert len(ready) > 3  # the flush read the rest
     ((failure),) = e.value.failures
     assert (failure.message, failure.call, failure.calls) == ("too big 9.0", 150, 1)
 
@@ -1350,6 +1353,44 @@ def test_checked_jit_with_one_in_sharding_for_every_argument(auto_mesh):
     assert f(x, x).sharding.spec == P("dp")
     with pytest.raises(jaxshard.CheckError, match="sum -2.0"):
         f(-x, -x)
+
+
+@pytest.mark.parametrize("mode", ["raise", "deferred"])
+def test_checked_jit_keeps_layouts_and_device(mode, auto_mesh):
+    """What else `jax.jit` was given is kept: a `Format`'s layout on an input and an
+    output, and the deprecated `device`."""
+    from jax.experimental.layout import Format, Layout
+
+    dp = NamedSharding(auto_mesh, P("dp"))
+    column_major = Format(Layout(major_to_minor=(0, 1)), dp)
+
+    def double(x):
+        jaxshard.check(jnp.all(x > 0), "x is {x}", x=x.min())
+        return x * 2
+
+    laid_out = jaxshard.checked(
+        jax.jit(double, in_shardings=column_major, out_shardings=column_major)
+    )
+    with pytest.warns(DeprecationWarning, match="backend and device"):
+        on_one = jaxshard.checked(jax.jit(double, device=jax.devices()[3]))
+    x = jax.device_put(jnp.ones((8, 4)), column_major)
+    with jaxshard.config(checks=mode):
+        y = laid_out(x)
+        assert y.format.layout.major_to_minor == (0, 1) and y.sharding == dp
+        assert float(y.sum()) == 64.0
+        assert on_one(jnp.ones(4)).devices() == {jax.devices()[3]}
+        bad = jax.device_put(-jnp.ones((8, 4)), column_major)
+        if mode == "raise":
+            with pytest.raises(jaxshard.CheckError, match="x is -1.0"):
+                laid_out(bad)
+            with pytest.raises(jaxshard.CheckError, match="x is -2.0"):
+                on_one(-2 * jnp.ones(4))
+        else:
+            laid_out(bad)
+            on_one(-2 * jnp.ones(4))
+            with pytest.raises(jaxshard.CheckError) as caught:
+                jaxshard.flush_checks()
+            assert "x is -1.0" in str(caught.value) and "x is -2.0" in str(caught.value)
 
 
 def test_checked_refuses_what_is_not_callable():

@@ -203,6 +203,21 @@ def test_jit_parameters(auto_mesh):
     k = jax.jit(lambda a: a, keep_unused=True, compiler_options=options)
     params = internals.jit_parameters(k)
     assert params["keep_unused"] is True and params["compiler_options"] == options
+    # Layouts go back into the shardings they came in with; `device` is kept.
+    from jax.experimental.layout import Format, Layout
+
+    laid = Format(Layout(major_to_minor=(0, 1)), dp)
+    params = internals.jit_parameters(
+        jax.jit(lambda a, b: a + b, in_shardings=(laid, dp), out_shardings=laid)
+    )
+    assert params["in_shardings"] == (laid, dp) and params["out_shardings"] == laid
+    params = internals.jit_parameters(
+        jax.jit(lambda a: a, in_shardings=Format(Layout.AUTO))
+    )
+    assert params["in_shardings"] == Format(Layout.AUTO)
+    with pytest.warns(DeprecationWarning, match="backend and device"):
+        d = jax.jit(lambda a: a, device=jax.devices()[1])
+    assert internals.jit_parameters(d)["device"] == jax.devices()[1]
 
 
 def test_untested_jax_warns_at_import():
