@@ -47,9 +47,8 @@ from ._jax_internals import current_trace, jit_parameters, new_ref_in
 # with its checks recording into a `Frame`, and returns what they found with `f`'s
 # outputs. The program has no Refs among its inputs, so JAX dispatches it through
 # its C++ fast path. It returns its checks' rows: in "raise" mode they are read after
-# each call; in "deferred" mode the wrapper stacks those of many calls on the device
-# and reads the stacks the device has made, at later calls, so the host never waits
-# until a flush (see `Scope.run_compiled`).
+# each call; in "deferred" mode the wrapper keeps them and reads those of calls the
+# device has finished, at later calls, so the host never waits until a flush.
 
 
 class Findings:
@@ -75,6 +74,13 @@ class Findings:
             states = np.asarray(states)
             failed = failed or np.count_nonzero(states[:, COUNT]) > 0
         return (once, states), failed
+
+    def ready(self) -> bool:
+        """Whether the device has made the rows (reading them would not wait)."""
+        once, states = self.packed
+        return (once is None or once.is_ready()) and (
+            states is None or states.is_ready()
+        )
 
 
 jax.tree_util.register_pytree_node(

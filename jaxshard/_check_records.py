@@ -54,28 +54,11 @@ _generation = [0]  # bumped when deferred counting restarts: call indices start 
 # --- scopes: who reads the flags ------------------------------------------------------
 
 
-# In deferred mode, the findings of this many calls of one program are stacked on the
-# device into one array, which the host reads once the device has made it. Read call
-# by call, and freed on the calling thread, they cost it 5 to 10 us a call (the MLP
-# step of the benchmark, on XLA's CPU backend, whose threads share the cores); the
-# stack, one small program per this many calls, a fraction of a microsecond.
-_STACK = 64
-
-
-@jax.jit
-def _stack(packed: list) -> Any:
-    """Calls' findings (each `Frame.packed()`), one array each, with calls first."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *packed)
-
-
-def _ready(packed: tuple) -> bool:
-    """Whether the device has made `packed` (reading it would not wait)."""
-    return all(x.is_ready() for x in packed if x is not None)
-
-
-def _to_host(packed: tuple) -> tuple:
-    """`packed`'s arrays, read from the device (NumPy), `None`s kept."""
-    return tuple(None if x is None else np.asarray(x) for x in packed)
+# In deferred mode, the findings of this many calls are kept before those of the
+# calls the device has finished are read: read one after another, each costs a
+# fraction of what it costs read alone (on XLA's CPU backend, whose threads run the
+# program beside the reads).
+_READ_AFTER = 64
 
 
 class Scope:
@@ -92,11 +75,10 @@ class Scope:
         self._generation = -1
         self._call = -1
         self._lock = threading.Lock()
-        # Compiled calls in deferred mode: the findings not stacked yet, with their
-        # calls' indices; those not read yet, `(calls, frame, packed, stacked)`; and
-        # per frame (trace) the failures read so far, as whole states (`_add_found`).
-        self._fresh: collections.deque[tuple[int, "Findings"]] = collections.deque()
-        self._pending: collections.deque[tuple] = collections.deque()
+        # Compiled calls in deferred mode: the findings not read yet, with their
+        # calls' indices, and per frame (trace) the failures read so far, as whole
+        # states (`_add_found`).
+        self._pending: collections.deque[tuple[int, "Findings"]] = collections.deque()
         self._found: dict["Frame", np.ndarray] = {}
         self._copy: bool | None = None  # whether findings are copied to the host
 
@@ -122,71 +104,31 @@ class Scope:
         once, states = findings.packed
         if once is None and states is None:  # a program with no checks
             return out
-        self._fresh.append((call, findings))
-        if len(self._fresh) >= _STACK:
-            self._stack_fresh(everything=False)
+        if self._copy is None:
+            x = once if once is not None else states
+            self._copy = not all(d.platform == "cpu" for d in x.sharding.device_set)
+        if self._copy:
+            # Off the CPU, copied to the host as soon as they are made: the read
+            # at a later call then does not wait for the copy.
+            for x in (once, states):
+                if x is not None:
+                    x.copy_to_host_async()
+        self._pending.append((call, findings))
+        if len(self._pending) >= _READ_AFTER:
             self._read_pending(wait=False)
         return out
 
-    def _stack_fresh(self, everything: bool) -> None:
-        """Stacks the findings of `_STACK` calls of one program, in call order, on
-        the device (then, off the CPU, copies them to the host as soon as they are
-        made, so that reading them does not wait for the copy); at a flush
-        (`everything`), also leaves the rest as they are, to be read one by one."""
-        fresh = self._fresh
-        with self._lock:  # calls from several threads
-            while len(fresh) >= (1 if everything else _STACK):
-                taken = [fresh.popleft() for _ in range(min(_STACK, len(fresh)))]
-                calls = tuple(call for call, _ in taken)
-                frame = taken[0][1].frame
-                packed = None
-                if len(taken) == _STACK and all(f.frame is frame for _, f in taken):
-                    try:
-                        packed = _stack([f.packed for _, f in taken])
-                    except ValueError:  # one program, run on other devices
-                        pass
-                if packed is None:
-                    self._pending.extend(
-                        ((call,), f.frame, f.packed, False) for call, f in taken
-                    )
-                    continue
-                if self._copy is None:
-                    x = next(x for x in packed if x is not None)
-                    self._copy = not all(
-                        d.platform == "cpu" for d in x.sharding.device_set
-                    )
-                if self._copy:
-                    for x in packed:
-                        if x is not None:
-                            x.copy_to_host_async()
-                self._pending.append((calls, frame, packed, True))
-
     def _read_pending(self, wait: bool) -> None:
-        """Reads the findings the device has made (all of them if `wait`), in call
-        order, and keeps their failures."""
+        """Reads the findings of the calls the device has finished (of every call
+        if `wait`), in call order, and keeps their failures."""
         pending = self._pending
         with self._lock:  # calls from several threads
-            while pending and (wait or _ready(pending[0][2])):
-                calls, frame, packed, stacked = pending.popleft()
-                once, states = _to_host(packed)
-                if not stacked:  # one call's
-                    once, states = (
-                        None if x is None else x[None] for x in (once, states)
-                    )
-                failed = np.zeros(len(calls), bool)
-                if once is not None:
-                    failed |= (once[:, :, 0] > 0).any(axis=1)
-                if states is not None:
-                    failed |= (states[:, :, COUNT] > 0).any(axis=1)
-                for i in np.flatnonzero(failed):
-                    found = _full(
-                        None if once is None else once[i],
-                        None if states is None else states[i],
-                        np,
-                    )
-                    self._found[frame] = _add_found(
-                        self._found.get(frame), found, calls[i]
-                    )
+            while pending and (wait or pending[0][1].ready()):
+                call, findings = pending.popleft()
+                rows, failed = findings.read()
+                if failed:
+                    frame, found = findings.frame, _full(*rows, np)
+                    self._found[frame] = _add_found(self._found.get(frame), found, call)
 
     def refs(self) -> tuple[Any, Any]:
         """The flag and call counter for the current placement."""
@@ -218,7 +160,6 @@ class Scope:
 
     def take_failures(self, deferred: bool) -> list[Failure]:
         """The failures recorded so far, in program order; clears them."""
-        self._stack_fresh(everything=True)
         self._read_pending(wait=True)  # the one wait for the device
         failures = []
         for frame in sorted(self._found, key=lambda frame: frame.number):

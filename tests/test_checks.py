@@ -395,19 +395,19 @@ def test_deferred_findings_are_merged_across_calls_and_shapes():
 
 
 def test_deferred_reads_only_finished_calls(monkeypatch):
-    """In deferred mode, the findings of every 64 calls are stacked on the device
-    into one array, and a call reads the stacks the device has made, never one it
-    would wait for: over a long loop, what the function keeps unread stays as small
-    as that and the calls in flight. A failure keeps its call's index."""
-    from jaxshard import _check_records
+    """In deferred mode, once 64 calls' findings are kept, a call reads those of
+    the calls the device has finished, never one it would wait for: over a long
+    loop, what the function keeps unread stays as small as that and the calls in
+    flight."""
+    from jaxshard._check_frames import Findings
 
-    read, ready = _check_records._to_host, []
+    read, ready = Findings.read, []
 
-    def spy(packed):
-        ready.append(_check_records._ready(packed))
-        return read(packed)
+    def spy(self):
+        ready.append(self.ready())
+        return read(self)
 
-    monkeypatch.setattr(_check_records, "_to_host", spy)
+    monkeypatch.setattr(Findings, "read", spy)
     step = step_fn()
     with pytest.raises(jaxshard.CheckError) as e:
         with jaxshard.deferred_checks():
@@ -415,11 +415,8 @@ def test_deferred_reads_only_finished_calls(monkeypatch):
                 out = step(jnp.float32(9 if i == 150 else 0))
                 if i % 10 == 9:
                     out.block_until_ready()
-            scope = step.scope
-            assert 1 <= len(ready) <= 3 and all(ready)  # one read per 64 calls
-            assert all(stacked for *_, stacked in scope._pending)
-            assert len(scope._fresh) < 64 and len(scope._pending) <= 2
-    assert len(ready) > 3  # the flush read the rest
+            assert len(ready) >= 120 and all(ready)
+            assert len(step.scope._pending) <= 64 + 10
     ((failure),) = e.value.failures
     assert (failure.message, failure.call, failure.calls) == ("too big 9.0", 150, 1)
 
