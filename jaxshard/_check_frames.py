@@ -53,11 +53,18 @@ from ._jax_internals import current_trace, jit_parameters, new_ref_in
 
 class Findings:
     """What one compiled call found: its frame's rows (what `Frame.packed()`
-    made). A pytree whose structure holds the frame, so the jit cache gives it
-    back."""
+    made), `once` and `states`. A pytree whose structure holds the frame, so the jit
+    cache gives it back."""
+
+    __slots__ = ("frame", "once", "states")
 
     def __init__(self, frame: "Frame", packed: tuple[Any, Any]):
-        self.frame, self.packed = frame, packed
+        self.frame = frame
+        self.once, self.states = packed
+
+    @property
+    def packed(self) -> tuple[Any, Any]:
+        return self.once, self.states
 
     def read(self) -> tuple[tuple[Any, Any], bool]:
         """The rows, read from the device (the call's one wait: returning their
@@ -65,7 +72,7 @@ class Findings:
         check failed."""
         # `np.asarray` per array: `jax.device_get` of the pair takes 10 us more;
         # `np.count_nonzero`, a microsecond less than `.any()`.
-        once, states = self.packed
+        once, states = self.once, self.states
         failed = False
         if once is not None:
             once = np.asarray(once)
@@ -77,16 +84,14 @@ class Findings:
 
     def ready(self) -> bool:
         """Whether the device has made the rows (reading them would not wait)."""
-        once, states = self.packed
+        once, states = self.once, self.states
         return (once is None or once.is_ready()) and (
             states is None or states.is_ready()
         )
 
 
 jax.tree_util.register_pytree_node(
-    Findings,
-    lambda f: ((f.packed,), f.frame),
-    lambda frame, children: Findings(frame, *children),
+    Findings, lambda f: ((f.once, f.states), f.frame), Findings
 )
 
 

@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import functools as ft
 import threading
+import weakref
 from typing import Any, TYPE_CHECKING
 
 import jax
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
 
 
 _generation = [0]  # bumped when deferred counting restarts: call indices start at 0
+# The scopes called in deferred mode since the last flush.
+deferred_scopes: "weakref.WeakSet[Scope]" = weakref.WeakSet()
 
 
 # --- scopes: who reads the flags ------------------------------------------------------
@@ -101,20 +104,22 @@ class Scope:
                 raise CheckError(failures, when=f" in {self.name}")
             return out
         call = self.next_call()
-        once, states = findings.packed
-        if once is None and states is None:  # a program with no checks
+        if call == 0:  # the first since the last flush
+            deferred_scopes.add(self)
+        rows = findings.once if findings.once is not None else findings.states
+        if rows is None:  # a program with no checks
             return out
         if self._copy is None:
-            x = once if once is not None else states
-            self._copy = not all(d.platform == "cpu" for d in x.sharding.device_set)
+            self._copy = not all(d.platform == "cpu" for d in rows.sharding.device_set)
         if self._copy:
             # Off the CPU, copied to the host as soon as they are made: the read
             # at a later call then does not wait for the copy.
-            for x in (once, states):
+            for x in findings.packed:
                 if x is not None:
                     x.copy_to_host_async()
-        self._pending.append((call, findings))
-        if len(self._pending) >= _READ_AFTER:
+        pending = self._pending
+        pending.append((call, findings))
+        if len(pending) >= _READ_AFTER:
             self._read_pending(wait=False)
         return out
 

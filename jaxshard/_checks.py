@@ -13,7 +13,6 @@ import functools as ft
 import os
 import string
 import sys
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ from jax.sharding import AxisType
 
 from . import _config, _torch
 from ._check_frames import _compiled, _frames, Frame
-from ._check_records import _fallback, _generation, _record, Scope
+from ._check_records import _fallback, _generation, _record, deferred_scopes, Scope
 from ._check_sites import _format, CheckError, Failure, Site
 from ._check_state import _encode, _INITIAL, COUNT, ELEMENT, Item
 from ._check_stats import _manual_axes, _statistics
@@ -59,9 +58,6 @@ def _check_message(message: Any, values: dict[str, Any]) -> None:
             "them as keyword arguments, e.g. "
             f"check(pred, {message!r}, {missing[0]}=...)."
         )
-
-
-_deferred_scopes: "weakref.WeakSet[Scope]" = weakref.WeakSet()
 
 
 def checked(fn: Callable) -> Callable:
@@ -114,8 +110,8 @@ def checked(fn: Callable) -> Callable:
     @ft.wraps(fn)
     def wrapper(*args, **kwargs):
         __tracebackhide__ = True
-        settings = _config.current()
-        if settings.checks == "off":
+        checks = _config.current().checks
+        if checks == "off":
             return fn(*args, **kwargs)
         if in_trace():
             raise RuntimeError(
@@ -126,19 +122,16 @@ def checked(fn: Callable) -> Callable:
         if compiled is not None:
             # No scope to set: the program sets its own while it is traced, and an
             # unchanged context keeps the call on jit's fast path.
-            out = scope.run_compiled(compiled, settings.checks, args, kwargs)
-            if settings.checks != "raise" and scope not in _deferred_scopes:
-                _deferred_scopes.add(scope)
-            return out
+            return scope.run_compiled(compiled, checks, args, kwargs)
         scope.begin_call(args, kwargs)
         with _config.overriding(check_scope=scope):
             out = fn(*args, **kwargs)
-        if settings.checks == "raise":
+        if checks == "raise":
             failures = scope.take_failures(deferred=False)
             if failures:
                 raise CheckError(failures, when=f" in {scope.name}")
         else:
-            _deferred_scopes.add(scope)
+            deferred_scopes.add(scope)
         return out
 
     if compiled is not None:
@@ -160,9 +153,9 @@ def flush_checks() -> None:
     last flush, and raises `jaxshard.CheckError` listing every failure (with the call
     where each first failed). Call indices start again from 0 afterwards."""
     failures = []
-    for scope in sorted(_deferred_scopes, key=lambda s: s.name):
+    for scope in sorted(deferred_scopes, key=lambda s: s.name):
         failures += scope.take_failures(deferred=True)
-    _deferred_scopes.clear()
+    deferred_scopes.clear()
     _generation[0] += 1
     if failures:
         raise CheckError(failures, when=" (deferred)")

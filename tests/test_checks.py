@@ -363,6 +363,10 @@ def test_deferred_mode_and_flush():
         ((_, call, count),) = [(x.message, x.call, x.count) for x in e.value.failures]
         assert (call, count) == (1, 2)
         jaxshard.flush_checks()  # nothing left
+        step(jnp.float32(0))
+        step(jnp.float32(5))  # a call after a flush is flushed too, from call 0
+        with pytest.raises(jaxshard.CheckError, match=r"call 1\]"):
+            jaxshard.flush_checks()
 
 
 def test_deferred_block_does_not_mask_errors():
