@@ -46,7 +46,8 @@
 (e) The loops of (a) shaped differently: narrower and wider MLPs, more steps, on one
     device and on eight: deferred / flag vector and raise / checkify.
 (f) Compile time: a function of 64 floats making 10, 100 and 1,000 checks, scalar
-    (`x[i] > -1 - i`) or over the array (`x * (i + 1) < 1e9`), each showing a value:
+    (`x[i] > -1 - i`) or over the array (`x * (i + 1) < 1e9`), each showing a value,
+    and the array checks on 16,384 floats (beyond the size jaxshard stacks):
     XLA's compile time with jaxshard (the program both modes run), with checkify
     and with no checks, and per check (over no checks); medians of 21, 9 and 3
     rounds, JAX's caches cleared before each compile.
@@ -471,20 +472,20 @@ CHECK_COUNTS = (10, 100) if QUICK else (10, 100, 1000)
 COMPILE_ROUNDS = {10: 21, 100: 9, 1000: 3}
 
 
-def compile_times(n: int, kind: str) -> dict:
-    """Seconds to trace and lower, and to compile (XLA), a function of 64 floats
+def compile_times(n: int, kind: str, size: int = 64) -> dict:
+    """Seconds to trace and lower, and to compile (XLA), a function of `size` floats
     making `n` checks: with jaxshard (the program `checked(jax.jit(f))` runs in
     either mode), with checkify (`jax.jit(checkify.checkify(f))`), and without
     checks; the median of `COMPILE_ROUNDS[n]` rounds, in alternating
     order, each with JAX's caches cleared. `kind` "scalar" checks `x[i] > -1 - i`;
     "array" checks `x * (i + 1) < 1e9`, each with the value in the message.
     (`checked(...).lower` lowers the program a checked call runs.)"""
-    x = jax.device_put(jnp.arange(64.0), jax.devices()[0])
+    x = jax.device_put(jnp.arange(float(size)), jax.devices()[0])
 
     def predicates(x):
         for i in range(n):
             if kind == "scalar":
-                yield x[i % 64] > -1 - i, x[i % 64]
+                yield x[i % size] > -1 - i, x[i % size]
             else:
                 yield x * (i + 1) < 1e9, x
 
@@ -791,15 +792,15 @@ def main() -> int:
 
     # (f) compile time
     if "f" in ONLY:
-        rows = [("(f) compile, 64 floats", "jaxshard", "checkify", "no checks")]
+        rows = [("(f) compile", "jaxshard", "checkify", "no checks")]
         rows[0] += ("ms/check jaxshard, checkify", "trace+lower js/ck")
-        for kind in ("scalar", "array"):
+        for kind, size in (("scalar", 64), ("array", 64), ("array", 16384)):
             for n in CHECK_COUNTS:
-                t = compile_times(n, kind)
+                t = compile_times(n, kind, size)
                 names = ("jaxshard", "checkify")
                 per_check = [(t[k][1] - t["no checks"][1]) / n * 1e3 for k in names]
                 rows.append(
-                    (f"{n} {kind} checks",)
+                    (f"{n} {kind} checks, {size} floats",)
                     + tuple(f"{t[k][1]:.2f} s" for k in t)
                     + (", ".join(f"{x:.1f}" for x in per_check),)
                     + (f"{t['jaxshard'][0]:.2f} / {t['checkify'][0]:.2f} s",)
