@@ -646,8 +646,13 @@ def print_table(rows):
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), flush=True)
 
 
+def round_ratios(times: dict, a: str, b: str) -> list[float]:
+    """`a`'s time over `b`'s, in each round."""
+    return [x / y for x, y in zip(times[a], times[b])]
+
+
 def paired(times: dict, a: str, b: str) -> float:
-    return median([x / y for x, y in zip(times[a], times[b])])
+    return median(round_ratios(times, a, b))
 
 
 def main() -> int:
@@ -772,7 +777,7 @@ def main() -> int:
         pooled: dict[int, list[list[float]]] = {}
         for devices, width, steps in SHAPES:
             times = shaped_loops(devices, width, steps)
-            ratios = [[x / y for x, y in zip(times[a], times[b])] for a, b in pairs]
+            ratios = [round_ratios(times, a, b) for a, b in pairs]
             kept = pooled.setdefault(devices, [[] for _ in pairs])
             for all_ratios, these in zip(kept, ratios):
                 all_ratios += these
