@@ -37,7 +37,12 @@ from ._check_state import (
     State,
     STATE_SIZE,
 )
-from ._check_stats import _any_failure, _shared_details, _statistics
+from ._check_stats import (
+    _any_failure,
+    _LOCATED_SIZE,
+    _shared_details,
+    _statistics,
+)
 from ._jax_internals import current_trace, jit_parameters, new_ref_in
 
 
@@ -151,7 +156,8 @@ class Frame:
         # folded, and a shard_map body's findings take the call's outside.
         self.call = jnp.zeros((), jnp.int32)
         self.once: list[tuple[Site, tuple]] = []  # checks made in the trace itself
-        self.shared: list[tuple[Site, Item]] = []  # ...on small arrays (see below)
+        self.later: list[tuple[Site, Item]] = []  # ...on one device (see below)
+        self.shared: list[tuple[Site, Item]] = []  # ...on small arrays
         self.screened: list[tuple[Site, Item]] = []  # ...the same, on a mesh
         self.screens: list = []  # whether any of those failed, per check call
         self.groups: list[list[Site]] = []  # the others, a Ref per `check` call
@@ -172,33 +178,33 @@ class Frame:
         check (`_shared_details`), so that a program with many checks compiles a
         few operations for all of them: on one device, on every call; on a mesh of
         several devices, behind one `lax.cond` on whether any failed, which each
-        tests now on its own layout (a reduction per check, `_screen`). Other
-        checks are evaluated now."""
+        tests now on its own layout (a reduction per check, `_screen`). On one
+        device, a check on a larger array, of up to half `_LOCATED_SIZE` elements,
+        waits for the end of the trace too, where those of one shape share
+        reductions (`_details`). Other checks are evaluated now."""
         budget = _SHARED_TOTAL - sum(
             np.prod(item.shape) for _, item in self.shared + self.screened
         )
         mesh = jax.typeof(items[0].operand).sharding.mesh
-        stacked, screened, now = [], [], []
+        one_device = mesh.empty or mesh.size == 1
+        stacked, screened, later, now = [], [], [], []
         for i, item in enumerate(items):
             size = np.prod(item.shape)
             if not item.shape or size > _SHARED_SIZE or size > budget:
-                now.append(i)
+                grouped = one_device and item.shape and 2 * size <= _LOCATED_SIZE
+                (later if grouped else now).append(i)
                 continue
             budget -= size
-            if mesh.empty or mesh.size == 1:
-                stacked.append(i)
-            else:
-                screened.append(i)
+            (stacked if one_device else screened).append(i)
         self.shared += [(sites[i], items[i]) for i in stacked]
+        self.later += [(sites[i], items[i]) for i in later]
         if screened:
             self.screens.append(_any_failure([items[i] for i in screened], []))
             self.screened += [(sites[i], items[i]) for i in screened]
         rows: list = [None] * len(items)
         if now:
-            for i, ((count, element, device, *picked), _) in zip(
-                now, _statistics([items[i] for i in now])
-            ):
-                rows[i] = (count, element, device, np.int32(-1), _encode(picked))
+            for i, (stats, _) in zip(now, _statistics([items[i] for i in now])):
+                rows[i] = _once_row(stats)
         self.add(sites, rows)
 
     def add(self, sites: list[Site], rows: list) -> None:
@@ -218,7 +224,8 @@ class Frame:
 
     def sites(self) -> list[Site]:
         """Every site, in the order of `_full`'s rows."""
-        once = [site for site, _ in self.once + self.shared + self.screened]
+        once = self.once + self.later + self.shared + self.screened
+        once = [site for site, _ in once]
         return once + [s for g in self.groups for s in g]
 
     def parts(self) -> tuple[list, list, Any]:
@@ -229,7 +236,10 @@ class Frame:
         `states`, those of the others' Refs (an int32 array with a row per site,
         or `None`)."""
         contents = [sites[0].state.ref[...] for sites in self.groups]
-        rows = [[*row[:_ONCE], *row[_ONCE]] for _, row in self.once]
+        once = [row for _, row in self.once]
+        if self.later:
+            once += [_once_row(s) for s, _ in _statistics([i for _, i in self.later])]
+        rows = [[*row[:_ONCE], *row[_ONCE]] for row in once]
         matrices = []
         # On one device on every call; on a mesh behind their screens (`add_checks`).
         for shared, screens in ((self.shared, None), (self.screened, self.screens)):
@@ -272,6 +282,12 @@ class Frame:
 # that computes the details holds a copy of them.
 _SHARED_SIZE = 1 << 12
 _SHARED_TOTAL = 1 << 18
+
+
+def _once_row(stats: tuple) -> tuple:
+    """A check's row in `Frame.once` from its statistics (from `_statistics`)."""
+    count, element, device, *picked = stats
+    return (count, element, device, np.int32(-1), _encode(picked))
 
 
 class ShardMapFrame(Frame):

@@ -32,25 +32,19 @@ def _statistics(items: list[Item]) -> list[tuple]:
     On a mesh of several devices each device reduces its own share of each input,
     and one collective combines the devices' statistics (`_split_statistics`).
     Elsewhere (one device, inside `shard_map`, under `vmap`) a predicate's
-    statistics cost one variadic reduction over it (`_details`). Neither has a
+    statistics cost one variadic reduction over it, shared with up to
+    `_LOCATED` other predicates of its shape (`_details`). Neither has a
     branch."""
     manual = _manual_axes(items[0].operand)
     large = [i for i, item in enumerate(items) if item.shape]
-    out: list[Any] = [None] * len(items)
-    for i, item in enumerate(items):
-        if i not in large:
-            out[i] = _details(item)
-    if large:
-        group = [items[i] for i in large]
-        mesh = None if manual else _split_mesh([item.operand for item in group])
-        if mesh is not None:
-            stats = _split_statistics(mesh, group)
-        else:
-            stats = [_details(item) for item in group]
-        for i, stat in zip(large, stats):
-            out[i] = stat
+    mesh = _split_mesh([items[i].operand for i in large]) if large else None
+    found: dict[int, Any] = {}
+    if mesh is not None:  # with no manual axes
+        found = dict(zip(large, _split_statistics(mesh, [items[i] for i in large])))
+    rest = [i for i in range(len(items)) if i not in found]
+    found.update(zip(rest, _details([items[i] for i in rest])))
     result = []
-    for count, first, *picked in out:
+    for count, first, *picked in (found[i] for i in range(len(items))):
         device = np.int32(-1)
         if manual:
             count, first, device, picked = _combine_devices(
@@ -139,7 +133,7 @@ def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
             if key:
                 kind, table = item.kinds
                 shown = [jnp.zeros((), v.dtype) for v in item.values]  # their dtypes
-                found = _locate(fail, shown, (kind(operand), table))
+                (found,) = _locate([(fail, shown, (kind(operand), table))])
             else:
                 picked = list(operands[at + 1 : at + 1 + len(read)])
                 found = _first_failure(fail, _flat_index(fail), picked)
@@ -178,10 +172,10 @@ def _share_statistics(
     if keyed:
         kind, table = item.kinds
         shown = [jnp.zeros((), item.values[i].dtype) for i in carried]  # dtypes
-        count, at, *values = _locate(fail, shown, (kind(share), table))
+        ((count, at, *values),) = _locate([(fail, shown, (kind(share), table))])
     else:
         shares = [_share(p, spec, axes) for p in picked]
-        count, at, *values = _locate(fail, shares)
+        ((count, at, *values),) = _locate([(fail, shares, None)])
     first = jnp.where(
         count > 0, _global_position(start + at, block.shape, spec, mesh), _BIG
     )
@@ -292,7 +286,7 @@ def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, 
         for length in lengths:
             fails = failing(operands, length)
             index = lax.broadcasted_iota(jnp.int32, fails.shape, 1)
-            count, first = _count_least(fails, index, axes=(1,))
+            ((count, first),) = _count_least([fails], [index], axes=(1,))
             counts.append(count)
             firsts.append(first)
             for j, i in enumerate(classes[length]):
@@ -588,70 +582,135 @@ def _names(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _details(item: Item) -> tuple:
-    """`(count, first failing element, *values there)` of `item`'s predicate on
-    whole arrays, in one pass over them."""
-    # Only values are checked: no tangents reach the reduction.
-    operand = lax.stop_gradient(item.operand)
-    values = [lax.stop_gradient(v) for v in item.values]
-    fail = jnp.logical_not(item.pred_fn(operand))
-    if not item.shape:  # a scalar's first failing element is not reported
-        return (fail.astype(jnp.int32), np.int32(-1), *values)
-    if not _whole_on_each_device(fail):  # a vmapped batch split over the mesh
-        return _first_failure(fail, _flat_index(fail), values)
-    kinds = item.kinds
-    if kinds is not None and fail.size * len(kinds[1]) <= _BIG:
-        kind, table = kinds
-        return _locate(fail, values, (kind(operand), table))
-    # The values are read where the predicate first failed as soon as that is known:
-    # fused into a later operation (the findings' rows), the reads would keep every
-    # checked array alive until then. Even so, one more reader of a large array
-    # makes XLA's CPU runtime order the program's other operations after it (a
-    # 3x1024 MLP's step takes 5% longer for a read of each gradient): where it can,
-    # the reduction finds the value too (`Item.kinds`).
-    return lax.optimization_barrier(_locate(fail, values))
+def _details(items: list[Item]) -> list[tuple]:
+    """`(count, first failing element, *values there)` of each item's predicate on
+    whole arrays, in one pass over them: predicates of one shape (and sharding),
+    up to `_LOCATED` of them and `_LOCATED_SIZE` elements in all, in one variadic
+    reduction (`_locate`)."""
+    out: list[Any] = [None] * len(items)
+    classes: dict[Any, list[tuple[int, tuple]]] = {}
+    for i, item in enumerate(items):
+        # Only values are checked: no tangents reach the reduction.
+        operand = lax.stop_gradient(item.operand)
+        values = [lax.stop_gradient(v) for v in item.values]
+        fail = jnp.logical_not(item.pred_fn(operand))
+        if not item.shape:  # a scalar's first failing element is not reported
+            out[i] = (fail.astype(jnp.int32), np.int32(-1), *values)
+        elif not _whole_on_each_device(fail):  # a vmapped batch split over the mesh
+            out[i] = _first_failure(fail, _flat_index(fail), values)
+        else:
+            kinds = item.kinds
+            if kinds is not None and fail.size * len(kinds[1]) <= _BIG:
+                kinds = (kinds[0](operand), kinds[1])
+            else:
+                kinds = None
+            key = (fail.shape, jax.typeof(fail).sharding)
+            classes.setdefault(key, []).append((i, (fail, values, kinds)))
+    for members in classes.values():
+        for group in _located_groups(members):
+            found = _locate([check for _, check in group])
+            # The values are read where the predicate first failed as soon as that
+            # is known: fused into a later operation (the findings' rows), the reads
+            # would keep every checked array alive until then. Even so, one more
+            # reader of a large array makes XLA's CPU runtime order the program's
+            # other operations after it (a 3x1024 MLP's step takes 5% longer for a
+            # read of each gradient): where it can, the reduction finds the value
+            # too (`Item.kinds`), and nothing is read.
+            read = [j for j, (_, (_, _, kinds)) in enumerate(group) if kinds is None]
+            if read:
+                kept = lax.optimization_barrier([found[j] for j in read])
+                for j, f in zip(read, kept):
+                    found[j] = f
+            for (i, _), f in zip(group, found):
+                out[i] = f
+    return out
 
 
-def _locate(fail, values, kinds: tuple | None = None) -> tuple:
-    """`(count, first failing element, *values there)` of `fail` (booleans, true
-    where an element failed, held whole by each device) and `values` (each a scalar
-    or of `fail`'s shape), for a check that runs on every call.
+# Up to this many predicates of one shape, and this many elements in all, share one
+# reduction (`_details`): XLA's CPU compiler compiles a kernel reducing eight arrays
+# in about three times the time of one reducing one (a third of the time per check,
+# where a check compiles in about checkify's time alone), and runs it in no more
+# time than eight such kernels. A predicate's array may then live until the last of
+# its reduction's is made: `_LOCATED_SIZE` elements at most.
+_LOCATED = 8
+_LOCATED_SIZE = 1 << 18
 
-    One variadic reduction of two int32s, how many elements failed and the least
-    position that did, finds the first failure; the values are then read there.
-    XLA's CPU compiler vectorises that reduction: it runs in 0.3x to 0.8x the time
-    of a float sum over the same array, where one that also carries the values
-    (`_first_failure`) takes six times as long. With `kinds`, `(kind, table)` (see
-    `Item.kinds`: `kind` an int32 array of `fail`'s shape), the least of `position *
-    len(table) + kind` tells the value too, and nothing is read."""
+
+def _located_groups(members: list) -> list[list]:
+    """`members`, `(index, (fail, ...))` in program order, in runs that share a
+    reduction: up to `_LOCATED` of them and `_LOCATED_SIZE` elements."""
+    groups: list[list] = []
+    for member in members:
+        size = member[1][0].size
+        last = groups[-1] if groups else None
+        if last and len(last) < _LOCATED and (len(last) + 1) * size <= _LOCATED_SIZE:
+            last.append(member)
+        else:
+            groups.append([member])
+    return groups
+
+
+def _locate(checks: list[tuple]) -> list[tuple]:
+    """`(count, first failing element, *values there)` of each of `checks`, `(fail,
+    values, kinds)`: `fail` (booleans, true where an element failed, held whole by
+    each device; the same shape for every check), `values` (each a scalar or of
+    `fail`'s shape) and `kinds` (or `None`), for checks that run on every call.
+
+    One variadic reduction of two int32s per check, how many elements failed and
+    the least position that did, finds the first failures of all the checks; the
+    values are then read there. XLA's CPU compiler vectorises that reduction: it
+    runs in 0.3x to 0.8x the time of a float sum over the same array, where one
+    that also carries the values (`_first_failure`) takes six times as long. With
+    `kinds`, `(kind, table)` (see `Item.kinds`: `kind` an int32 array of `fail`'s
+    shape), the least of `position * len(table) + kind` tells the value too, and
+    nothing is read."""
+    fail = checks[0][0]
     position = _flat_index(fail)
-    key = position if kinds is None else position * len(kinds[1]) + kinds[0]
-    count, first = _count_least(fail, key, tuple(range(fail.ndim)))
-    if kinds is not None:
-        table = kinds[1]
-        kind = first % len(table)
-        first = jnp.where(count > 0, first // len(table), _BIG)
-        return (count, first, *(_select(kind, table, v.dtype) for v in values))
-    at, coordinates = jnp.minimum(first, fail.size - 1), []  # an element if none
-    for n in reversed(fail.shape):
-        coordinates.insert(0, at % n)
-        at = at // n
+    keys = [
+        position if kinds is None else position * len(kinds[1]) + kinds[0]
+        for _, _, kinds in checks
+    ]
+    reduced = _count_least([c[0] for c in checks], keys, tuple(range(fail.ndim)))
+    out = []
+    for (count, first), (_, values, kinds) in zip(reduced, checks):
+        if kinds is not None:
+            table = kinds[1]
+            kind = first % len(table)
+            first = jnp.where(count > 0, first // len(table), _BIG)
+            out.append((count, first, *(_select(kind, table, v.dtype) for v in values)))
+            continue
+        at, coordinates = jnp.minimum(first, fail.size - 1), []  # an element if none
+        for n in reversed(fail.shape):
+            coordinates.insert(0, at % n)
+            at = at // n
 
-    def read(x):
-        return lax.dynamic_slice(x, coordinates, (1,) * x.ndim).reshape(())
+        def read(x, coordinates=coordinates):
+            return lax.dynamic_slice(x, coordinates, (1,) * x.ndim).reshape(())
 
-    return (count, first, *(read(v) if jnp.shape(v) else v for v in values))
+        out.append((count, first, *(read(v) if jnp.shape(v) else v for v in values)))
+    return out
 
 
-def _count_least(fail, key, axes: tuple) -> tuple:
-    """How many elements of `fail` are true, and the least `key` among them
-    (`_BIG` if none), over `axes`: one variadic reduction of two int32s."""
-    return lax.reduce(
-        (fail.astype(jnp.int32), jnp.where(fail, key, _BIG)),
-        (np.int32(0), np.int32(_BIG)),
-        lambda a, b: (a[0] + b[0], jnp.minimum(a[1], b[1])),
+def _count_least(fails: list, keys: list, axes: tuple) -> list[tuple]:
+    """For each of `fails`, how many elements are true, and the least of its `keys`
+    among them (`_BIG` if none), over `axes`: one variadic reduction of two int32s
+    per array, of them all."""
+    n = len(fails)
+
+    def combine(a, b):
+        counts = [x + y for x, y in zip(a[:n], b[:n])]
+        return (*counts, *(jnp.minimum(x, y) for x, y in zip(a[n:], b[n:])))
+
+    reduced = lax.reduce(
+        (
+            *(f.astype(jnp.int32) for f in fails),
+            *(jnp.where(f, key, _BIG) for f, key in zip(fails, keys)),
+        ),
+        (np.int32(0),) * n + (np.int32(_BIG),) * n,
+        combine,
         axes,
     )
+    return list(zip(reduced[:n], reduced[n:]))
 
 
 def _select(index, table: tuple, dtype) -> Any:

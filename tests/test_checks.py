@@ -1192,6 +1192,58 @@ def test_many_checks_of_every_size_and_value_type(where, copies):
     assert found == [(0, 2, 1), (4, 1, 2)]
 
 
+@pytest.mark.parametrize("mode", ["raise", "deferred"])
+def test_checks_on_larger_arrays_of_one_shape_share_reductions(mode):
+    """On one device, checks on arrays of one shape too large to share their details
+    (`_shared_details`) share reductions, up to eight and 2**18 elements in each,
+    whatever the checks made between them: every failure keeps its count, first
+    element and values, NaN or infinity found by `check_finite` among them."""
+    a, b = (100, 120), (90, 100)  # each above _SHARED_SIZE elements
+    shapes = [a, b, a, a, b] * 4 + [(512, 300)] * 2  # the last two, alone each
+
+    def f(xs):
+        for i, x in enumerate(xs):
+            if i % 3 == 2:
+                jaxshard.check_finite(x, name=f"x{i}")
+            else:
+                jaxshard.check(x < 10, f"{i}: {{v}} {{w}}", v=x, w=-x.astype(int))
+            jaxshard.check(jnp.sum(x) != 0.5, f"sum {i}")  # a scalar between them
+        return xs
+
+    def inputs(failing):
+        xs = [np.zeros(s, np.float32) for s in shapes]
+        for i in failing:
+            flat = xs[i].reshape(-1)
+            flat[-1], flat[7 + i] = np.nan, (np.inf if i % 3 == 2 else 20 + i)
+        return [jnp.asarray(x) for x in xs]
+
+    g = jaxshard.checked(jax.jit(f))
+    reductions = g.lower(inputs(())).as_text().count("stablehlo.reduce")
+    # 12 of shape a, 8 of b: in 2 + 1 reductions; the two largest, one each.
+    assert reductions == 2 + 1 + 2 + len(shapes)  # with the scalars' sums
+    failing = [1, 2, 8, 13, 14, 20, 21]
+    if mode == "raise":
+        g(inputs(()))
+        found = failures(g, inputs(failing))
+    else:
+        with jaxshard.deferred_checks():
+            jaxshard.flush_checks()
+            g(inputs(()))
+            g(inputs(failing))
+            with pytest.raises(jaxshard.CheckError) as e:
+                jaxshard.flush_checks()
+        found = e.value.failures
+        assert {x.call for x in found} == {1}
+    assert len(found) == len(failing)
+    for i, x in zip(failing, found):
+        assert x.count == 2
+        assert x.element == np.unravel_index(7 + i, shapes[i])
+        if i % 3 == 2:
+            assert "x%d" % i in x.message and np.isposinf(x.values["value"])
+        else:
+            assert x.message == f"{i}: {20 + i}.0 {-20 - i}"
+
+
 # --- bad input ------------------------------------------------------------------------
 
 
