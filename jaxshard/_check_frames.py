@@ -156,10 +156,9 @@ class Frame:
         # folded, and a shard_map body's findings take the call's outside.
         self.call = jnp.zeros((), jnp.int32)
         self.once: list[tuple[Site, tuple]] = []  # checks made in the trace itself
-        self.later: list[tuple[Site, Item]] = []  # ...on one device (see below)
+        self.later: list[tuple[Site, Item]] = []  # ...on larger arrays (see below)
         self.shared: list[tuple[Site, Item]] = []  # ...on small arrays
         self.screened: list[tuple[Site, Item]] = []  # ...the same, on a mesh
-        self.screens: list = []  # whether any of those failed, per check call
         self.groups: list[list[Site]] = []  # the others, a Ref per `check` call
         self.calls: list[list[Site]] = []  # the sites of each `check` call, in order
         self.sites_made = 0
@@ -178,10 +177,12 @@ class Frame:
         check (`_shared_details`), so that a program with many checks compiles a
         few operations for all of them: on one device, on every call; on a mesh of
         several devices, behind one `lax.cond` on whether any failed, which each
-        tests now on its own layout (a reduction per check, `_screen`). On one
-        device, a check on a larger array, of up to half `_LOCATED_SIZE` elements,
-        waits for the end of the trace too, where those of one shape share
-        reductions (`_details`). Other checks are evaluated now."""
+        tests on its own layout (a reduction per shape, `_none_failing`, all in one
+        operation). A check on a larger array, of up to half `_LOCATED_SIZE`
+        elements, waits for the end of the trace too, where such checks are found
+        in runs of up to `_LOCATED_SIZE` elements (`_runs`): on a mesh of several
+        devices, in one operation and one collective per run; those of one shape
+        share reductions (`_details`). Other checks are evaluated now."""
         budget = _SHARED_TOTAL - sum(
             np.prod(item.shape) for _, item in self.shared + self.screened
         )
@@ -191,16 +192,13 @@ class Frame:
         for i, item in enumerate(items):
             size = np.prod(item.shape)
             if not item.shape or size > _SHARED_SIZE or size > budget:
-                grouped = one_device and item.shape and 2 * size <= _LOCATED_SIZE
-                (later if grouped else now).append(i)
+                (later if item.shape and 2 * size <= _LOCATED_SIZE else now).append(i)
                 continue
             budget -= size
             (stacked if one_device else screened).append(i)
         self.shared += [(sites[i], items[i]) for i in stacked]
         self.later += [(sites[i], items[i]) for i in later]
-        if screened:
-            self.screens.append(_any_failure([items[i] for i in screened], []))
-            self.screened += [(sites[i], items[i]) for i in screened]
+        self.screened += [(sites[i], items[i]) for i in screened]
         rows: list = [None] * len(items)
         if now:
             for i, (stats, _) in zip(now, _statistics([items[i] for i in now])):
@@ -237,16 +235,17 @@ class Frame:
         or `None`)."""
         contents = [sites[0].state.ref[...] for sites in self.groups]
         once = [row for _, row in self.once]
-        if self.later:
-            once += [_once_row(s) for s, _ in _statistics([i for _, i in self.later])]
+        for run in _runs([item for _, item in self.later]):
+            once += [_once_row(stats) for stats, _ in _statistics(run)]
         rows = [[*row[:_ONCE], *row[_ONCE]] for row in once]
         matrices = []
         # On one device on every call; on a mesh behind their screens (`add_checks`).
-        for shared, screens in ((self.shared, None), (self.screened, self.screens)):
+        for shared, screened in ((self.shared, False), (self.screened, True)):
             if not shared:
                 continue
-            any_fail = screens and ft.reduce(jnp.logical_or, screens)
-            count, first, words = _shared_details([i for _, i in shared], any_fail)
+            items = [item for _, item in shared]
+            any_fail = _any_failure(items, []) if screened else None
+            count, first, words = _shared_details(items, any_fail)
             minus_one = np.full(len(shared), -1, np.int32)
             columns = [count, first, minus_one, minus_one]  # device, iteration
             matrices.append(
@@ -282,6 +281,24 @@ class Frame:
 # that computes the details holds a copy of them.
 _SHARED_SIZE = 1 << 12
 _SHARED_TOTAL = 1 << 18
+
+
+def _runs(items: list[Item]) -> list[list[Item]]:
+    """`items`, in program order, in runs on one mesh of up to `_LOCATED_SIZE`
+    elements: those whose statistics are found together (see `Frame.add_checks`).
+    A check's array may live until the last of its run's is made."""
+    runs: list[list[Item]] = []
+    mesh, size = None, 0
+    for item in items:
+        n = int(np.prod(item.shape))
+        on = jax.typeof(item.operand).sharding.mesh
+        if runs and on == mesh and size + n <= _LOCATED_SIZE:
+            runs[-1].append(item)
+            size += n
+        else:
+            runs.append([item])
+            mesh, size = on, n
+    return runs
 
 
 def _once_row(stats: tuple) -> tuple:

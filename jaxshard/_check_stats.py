@@ -114,14 +114,19 @@ def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
 
     def local(mesh, specs):
         def on_blocks(*blocks):
-            row = []
-            for item, key, at, read, c in zip(items, keyed, starts, reads, carried):
-                picked = blocks[at + 1 : at + 1 + len(read)]
-                row += _share_statistics(
-                    item, key, c, blocks[at], picked, specs[at], mesh
-                )
             axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
-            return tuple(_across_devices(jnp.stack(row), widths, axes))
+            shares = [
+                _share_check(item, key, c, blocks[at : at + 1 + len(read)], spec, axes)
+                for item, key, at, read, c, spec in zip(
+                    items, keyed, starts, reads, carried, [specs[a] for a in starts]
+                )
+            ]
+            row = []
+            found = _located([check for check, _ in shares])
+            for (check, start), f, at in zip(shares, found, starts):
+                sliced = check[0].size < blocks[at].size
+                row += _share_row(f, start, sliced, blocks[at], specs[at], mesh)
+            return tuple(_across_devices(_stacked(row), widths, axes))
 
         return on_blocks
 
@@ -159,28 +164,49 @@ def _keyed(item: Item) -> bool:
     return item.kinds is not None and np.prod(item.shape) * len(item.kinds[1]) <= _BIG
 
 
-def _share_statistics(
-    item: Item, keyed: bool, carried: list, block, picked: list, spec, mesh
-) -> list:
-    """`[count, first failing element, *words of the carried values there]` of
-    `item` over this device's share of its `block` (and of its array values'
-    blocks, `picked`, unless `keyed`), as int32 scalars: the one-device statistics
-    of the share (`_locate`), at its place in the whole array."""
-    axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
-    share, start = _share(block, spec, axes, start=True)
+def _share_check(
+    item: Item, keyed: bool, carried: list, blocks: tuple, spec, axes
+) -> tuple:
+    """`((fail, values, kinds), start)`: what `_locate` takes to find the
+    statistics of `item` over this device's share of its block (`blocks[0]`; the
+    others, those of its array values, unless `keyed`), and where the share starts
+    in the block (row-major)."""
+    share, start = _share(blocks[0], spec, axes, start=True)
     fail = jnp.logical_not(item.pred_fn(share))
     if keyed:
         kind, table = item.kinds
         shown = [jnp.zeros((), item.values[i].dtype) for i in carried]  # dtypes
-        ((count, at, *values),) = _locate([(fail, shown, (kind(share), table))])
-    else:
-        shares = [_share(p, spec, axes) for p in picked]
-        ((count, at, *values),) = _locate([(fail, shares, None)])
+        return (fail, shown, (kind(share), table)), start
+    return (fail, [_share(p, spec, axes) for p in blocks[1:]], None), start
+
+
+def _located(checks: list[tuple]) -> list[tuple]:
+    """`_locate` of each of `checks`, those of one shape (and sharding) sharing
+    reductions (`_located_groups`)."""
+    classes: dict[Any, list[tuple[int, tuple]]] = {}
+    for i, check in enumerate(checks):
+        fail = check[0]
+        key = (fail.shape, jax.typeof(fail).sharding)
+        classes.setdefault(key, []).append((i, check))
+    out: list[Any] = [None] * len(checks)
+    for members in classes.values():
+        for group in _located_groups(members):
+            for (i, _), found in zip(group, _locate([c for _, c in group])):
+                out[i] = found
+    return out
+
+
+def _share_row(found: tuple, start, sliced: bool, block, spec, mesh) -> list:
+    """`[count, first failing element, *words of the values there]` of an item
+    over this device's share of its `block` (a slice of it if `sliced`), from what
+    `_locate` `found` in it (`_share_check`), at its place in the whole array."""
+    count, at, *values = found
     first = jnp.where(
         count > 0, _global_position(start + at, block.shape, spec, mesh), _BIG
     )
-    if share.size == block.size:
+    if not sliced:
         # Not sliced: a block repeated on other devices reports once, on the first.
+        axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
         others = [(a, n) for a, n in axes if a not in _axes_of(spec)]
         primary = _linear_index(others) == 0
         count, first = jnp.where(primary, count, 0), jnp.where(primary, first, _BIG)
@@ -420,39 +446,49 @@ def _any_failure(items: list[Item], manual: list) -> Any:
     operation then screens whatever blocks XLA chose, gathering nothing. Elsewhere
     (one device, under `vmap`, no mesh in context) each operand is screened
     whole."""
-    screens = [_screen(item) for item in items]
     # Only values are checked: no tangents reach the reduction.
     operands = [lax.stop_gradient(item.operand) for item in items]
+
+    def any_fails(xs):
+        fails = [jnp.logical_not(item.pred_fn(x)) for item, x in zip(items, xs)]
+        return jnp.logical_not(_none_failing(fails))
+
     mesh = None if manual else _split_mesh(operands)
     if mesh is None:
-        fails = [jnp.logical_not(s(x)) for s, x in zip(screens, operands)]
-        any_fail = functools_reduce(jnp.logical_or, fails)
+        any_fail = any_fails(operands)
         return _all_reduce(any_fail, manual, lax.pmax) if manual else any_fail
 
     def local(mesh, specs):
         axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
 
         def screened(*blocks):
-            fails = [
-                jnp.logical_not(s(_share(b, spec, axes)))
-                for s, b, spec in zip(screens, blocks, specs)
-            ]
-            any_fail = functools_reduce(jnp.logical_or, fails).astype(jnp.int32)
+            shares = [_share(b, spec, axes) for b, spec in zip(blocks, specs)]
+            any_fail = any_fails(shares).astype(jnp.int32)
             return (_all_reduce(any_fail, axes, lax.pmax) > 0,)
 
         return screened
 
     def whole(*operands):
-        fails = [jnp.logical_not(s(x)) for s, x in zip(screens, operands)]
-        return (functools_reduce(jnp.logical_or, fails),)
+        return (any_fails(operands),)
 
     (any_fail,) = _on_blocks(mesh, local, whole, operands, 1)
     return any_fail
 
 
-def _screen(item: Item) -> Callable:
-    """Whether every element of `item`'s predicate holds (`_none_fail`)."""
-    return lambda x: _none_fail(jnp.logical_not(item.pred_fn(x)))
+def _none_failing(fails: list) -> Any:
+    """Whether no element of any of `fails` (booleans) is true: those of one shape
+    (and sharding), up to `_LOCATED` at a time, or'ed elementwise into one
+    reduction (`_none_fail`), which XLA fuses into one kernel with their
+    predicates: many checks' screens compile a few kernels."""
+    classes: dict[Any, list] = {}
+    for fail in fails:
+        classes.setdefault((fail.shape, jax.typeof(fail).sharding), []).append(fail)
+    none = [
+        _none_fail(functools_reduce(jnp.logical_or, same[i : i + _LOCATED]))
+        for same in classes.values()
+        for i in range(0, len(same), _LOCATED)
+    ]
+    return functools_reduce(jnp.logical_and, none)
 
 
 def _none_fail(fail) -> Any:
