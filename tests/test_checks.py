@@ -1244,6 +1244,42 @@ def test_checks_on_larger_arrays_of_one_shape_share_reductions(mode):
             assert x.message == f"{i}: {20 + i}.0 {-20 - i}"
 
 
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
+def test_many_checks_on_a_mesh_cross_devices_a_few_times(kind):
+    """On a mesh of several devices, the checks on larger arrays are found in runs
+    of up to 2**18 elements, one per-device operation (and all-reduce) each, and
+    the screens of the small ones in one more: twenty checks over 16,384 elements
+    and twenty over 64 make three, and every failure keeps its count, first
+    element and value."""
+    mesh = jax.make_mesh((8,), ("dp",), axis_types=(kind,))
+    sizes = [16384, 64] * 20
+
+    def f(xs):
+        for i, x in enumerate(xs):
+            jaxshard.check(x < 10, f"{i}: {{v}}", v=x)
+        return xs
+
+    def inputs(failing):
+        xs = [np.zeros(n, np.float32) for n in sizes]
+        for i in failing:
+            xs[i][[3 + i, -1]] = 20 + i, 50
+        return [jax.device_put(x, NamedSharding(mesh, P("dp"))) for x in xs]
+
+    g = jaxshard.checked(jax.jit(f))
+    with jax.set_mesh(mesh):
+        text = g.lower(inputs(())).as_text()
+        # Per-device operations: a shard_map on Explicit axes, a custom partitioning
+        # on Auto ones (forty, one per check, before they were gathered in runs).
+        per_device = ("sdy.manual_computation", "@CustomSPMDPartitioning")
+        assert sum(map(text.count, per_device)) == 3
+        g(inputs(()))
+        failing = [0, 5, 17, 30, 33]
+        found = failures(g, inputs(failing))
+    assert [x.message for x in found] == [f"{i}: {20 + i}.0" for i in failing]
+    assert [x.element for x in found] == [(3 + i,) for i in failing]
+    assert all(x.count == 2 for x in found)
+
+
 # --- bad input ------------------------------------------------------------------------
 
 
