@@ -182,7 +182,8 @@ class Frame:
         elements, waits for the end of the trace too, where such checks are found
         in runs of up to `_LOCATED_SIZE` elements (`_runs`): on a mesh of several
         devices, in one operation and one collective per run; those of one shape
-        share reductions (`_details`). Other checks are evaluated now."""
+        share reductions (`_details`). Other checks are evaluated now, on a mesh
+        with the call's others on larger arrays."""
         budget = _SHARED_TOTAL - sum(
             np.prod(item.shape) for _, item in self.shared + self.screened
         )
@@ -196,6 +197,9 @@ class Frame:
                 continue
             budget -= size
             (stacked if one_device else screened).append(i)
+        if not one_device and now and later:
+            # One operation, and one collective, for the call's larger arrays.
+            now, later = sorted(now + later), []
         self.shared += [(sites[i], items[i]) for i in stacked]
         self.later += [(sites[i], items[i]) for i in later]
         self.screened += [(sites[i], items[i]) for i in screened]
