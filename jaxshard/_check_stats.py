@@ -183,14 +183,9 @@ def _share_check(
 def _located(checks: list[tuple]) -> list[tuple]:
     """`_locate` of each of `checks`, those of one shape (and sharding) sharing
     reductions (`_located_groups`)."""
-    classes: dict[Any, list[tuple[int, tuple]]] = {}
-    for i, check in enumerate(checks):
-        fail = check[0]
-        key = (fail.shape, jax.typeof(fail).sharding)
-        classes.setdefault(key, []).append((i, check))
     out: list[Any] = [None] * len(checks)
-    for members in classes.values():
-        for group in _located_groups(members):
+    for same in _by_layout([check[0] for check in checks]):
+        for group in _located_groups([(i, checks[i]) for i in same]):
             for (i, _), found in zip(group, _locate([c for _, c in group])):
                 out[i] = found
     return out
@@ -480,15 +475,21 @@ def _none_failing(fails: list) -> Any:
     (and sharding), up to `_LOCATED` at a time, or'ed elementwise into one
     reduction (`_none_fail`), which XLA fuses into one kernel with their
     predicates: many checks' screens compile a few kernels."""
-    classes: dict[Any, list] = {}
-    for fail in fails:
-        classes.setdefault((fail.shape, jax.typeof(fail).sharding), []).append(fail)
-    none = [
-        _none_fail(functools_reduce(jnp.logical_or, same[i : i + _LOCATED]))
-        for same in classes.values()
-        for i in range(0, len(same), _LOCATED)
-    ]
+    none = []
+    for same in _by_layout(fails):
+        for i in range(0, len(same), _LOCATED):
+            some = [fails[j] for j in same[i : i + _LOCATED]]
+            none.append(_none_fail(functools_reduce(jnp.logical_or, some)))
     return functools_reduce(jnp.logical_and, none)
+
+
+def _by_layout(arrays: list) -> list[list[int]]:
+    """The indices of `arrays`, in order, per shape and sharding: those that can
+    share a reduction."""
+    classes: dict[Any, list[int]] = {}
+    for i, x in enumerate(arrays):
+        classes.setdefault((x.shape, jax.typeof(x).sharding), []).append(i)
+    return list(classes.values())
 
 
 def _none_fail(fail) -> Any:
@@ -624,7 +625,7 @@ def _details(items: list[Item]) -> list[tuple]:
     up to `_LOCATED` of them and `_LOCATED_SIZE` elements in all, in one variadic
     reduction (`_locate`)."""
     out: list[Any] = [None] * len(items)
-    classes: dict[Any, list[tuple[int, tuple]]] = {}
+    located: list[tuple[int, tuple]] = []
     for i, item in enumerate(items):
         # Only values are checked: no tangents reach the reduction.
         operand = lax.stop_gradient(item.operand)
@@ -640,25 +641,16 @@ def _details(items: list[Item]) -> list[tuple]:
                 kinds = (kinds[0](operand), kinds[1])
             else:
                 kinds = None
-            key = (fail.shape, jax.typeof(fail).sharding)
-            classes.setdefault(key, []).append((i, (fail, values, kinds)))
-    for members in classes.values():
-        for group in _located_groups(members):
-            found = _locate([check for _, check in group])
-            # The values are read where the predicate first failed as soon as that
-            # is known: fused into a later operation (the findings' rows), the reads
-            # would keep every checked array alive until then. Even so, one more
-            # reader of a large array makes XLA's CPU runtime order the program's
-            # other operations after it (a 3x1024 MLP's step takes 5% longer for a
-            # read of each gradient): where it can, the reduction finds the value
-            # too (`Item.kinds`), and nothing is read.
-            read = [j for j, (_, (_, _, kinds)) in enumerate(group) if kinds is None]
-            if read:
-                kept = lax.optimization_barrier([found[j] for j in read])
-                for j, f in zip(read, kept):
-                    found[j] = f
-            for (i, _), f in zip(group, found):
-                out[i] = f
+            located.append((i, (fail, values, kinds)))
+    for (i, (_, _, kinds)), found in zip(located, _located([c for _, c in located])):
+        # The values are read where the predicate first failed as soon as that is
+        # known: fused into a later operation (the findings' rows), the reads would
+        # keep every checked array alive until then. Even so, one more reader of a
+        # large array makes XLA's CPU runtime order the program's other operations
+        # after it (a 3x1024 MLP's step takes 5% longer for a read of each
+        # gradient): where it can, the reduction finds the value too
+        # (`Item.kinds`), and nothing is read.
+        out[i] = found if kinds is not None else lax.optimization_barrier(found)
     return out
 
 
