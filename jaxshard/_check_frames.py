@@ -38,9 +38,10 @@ from ._check_state import (
     STATE_SIZE,
 )
 from ._check_stats import (
-    _any_failure,
     _LOCATED_SIZE,
     _shared_details,
+    _split_mesh,
+    _split_statistics,
     _statistics,
 )
 from ._jax_internals import current_trace, jit_parameters, new_ref_in
@@ -158,7 +159,6 @@ class Frame:
         self.once: list[tuple[Site, tuple]] = []  # checks made in the trace itself
         self.later: list[tuple[Site, Item]] = []  # ...on larger arrays (see below)
         self.shared: list[tuple[Site, Item]] = []  # ...on small arrays
-        self.screened: list[tuple[Site, Item]] = []  # ...the same, on a mesh
         self.groups: list[list[Site]] = []  # the others, a Ref per `check` call
         self.calls: list[list[Site]] = []  # the sites of each `check` call, in order
         self.sites_made = 0
@@ -172,37 +172,34 @@ class Frame:
         """The checks of one `check` call made in the frame's own trace, with no
         manual mesh axes (see `owns_trace`).
 
-        A check on an array of up to `_SHARED_SIZE` elements waits for the end of
-        the trace, where its statistics are computed with those of every such
-        check (`_shared_details`), so that a program with many checks compiles a
-        few operations for all of them: on one device, on every call; on a mesh of
-        several devices, behind one `lax.cond` on whether any failed, which each
-        tests on its own layout (a reduction per shape, `_none_failing`, all in one
-        operation). A check on a larger array, of up to half `_LOCATED_SIZE`
+        On one device, a check on an array of up to `_SHARED_SIZE` elements waits
+        for the end of the trace, where its statistics are computed with those of
+        every such check (`_shared_details`), so that a program with many checks
+        compiles a few operations for all of them. A check on a larger array (on a
+        mesh of several devices, on any array), of up to half `_LOCATED_SIZE`
         elements, waits for the end of the trace too, where such checks are found
-        in runs of up to `_LOCATED_SIZE` elements (`_runs`): on a mesh of several
-        devices, in one operation and one collective per run; those of one shape
-        share reductions (`_details`). Other checks are evaluated now, on a mesh
-        with the call's others on larger arrays."""
-        budget = _SHARED_TOTAL - sum(
-            np.prod(item.shape) for _, item in self.shared + self.screened
-        )
+        in runs of up to `_LOCATED_SIZE` elements (`_runs`): on a mesh, in one
+        per-device operation and one collective per run (`_split_statistics`);
+        those of one shape share reductions. Other checks are evaluated now, on a
+        mesh with the call's others on larger arrays."""
+        budget = _SHARED_TOTAL - sum(np.prod(item.shape) for _, item in self.shared)
         mesh = jax.typeof(items[0].operand).sharding.mesh
         one_device = mesh.empty or mesh.size == 1
-        stacked, screened, later, now = [], [], [], []
+        stacked, later, now = [], [], []
         for i, item in enumerate(items):
             size = np.prod(item.shape)
-            if not item.shape or size > _SHARED_SIZE or size > budget:
-                (later if item.shape and 2 * size <= _LOCATED_SIZE else now).append(i)
-                continue
-            budget -= size
-            (stacked if one_device else screened).append(i)
+            if one_device and item.shape and size <= min(_SHARED_SIZE, budget):
+                budget -= size
+                stacked.append(i)
+            elif item.shape and 2 * size <= _LOCATED_SIZE:
+                later.append(i)
+            else:
+                now.append(i)
         if not one_device and now and later:
             # One operation, and one collective, for the call's larger arrays.
             now, later = sorted(now + later), []
         self.shared += [(sites[i], items[i]) for i in stacked]
         self.later += [(sites[i], items[i]) for i in later]
-        self.screened += [(sites[i], items[i]) for i in screened]
         rows: list = [None] * len(items)
         if now:
             for i, (stats, _) in zip(now, _statistics([items[i] for i in now])):
@@ -226,36 +223,37 @@ class Frame:
 
     def sites(self) -> list[Site]:
         """Every site, in the order of `_full`'s rows."""
-        once = self.once + self.later + self.shared + self.screened
+        once = self.once + self.later + self.shared
         once = [site for site, _ in once]
         return once + [s for g in self.groups for s in g]
 
-    def parts(self) -> tuple[list, list, Any]:
-        """What the checks found, in parts: `(rows, matrices, states)`. `rows`,
-        those made in the trace itself, `[count, element, device, iteration,
-        *words]` each (int32 scalars, traced or not); `matrices`, those of the
-        checks on small arrays (see `add_checks`), int32[sites, 4 + words] each;
-        `states`, those of the others' Refs (an int32 array with a row per site,
-        or `None`)."""
+    def parts(self) -> tuple[list, Any]:
+        """What the checks found, in parts: `(matrices, states)`. `matrices`, the
+        rows of the checks made in the trace itself, int32[sites, 4 + words] each
+        (`[count, element, device, iteration, *words]`, in `sites()` order);
+        `states`, those of the others' Refs (an int32 array with a row per site, or
+        `None`)."""
         contents = [sites[0].state.ref[...] for sites in self.groups]
-        once = [row for _, row in self.once]
+        matrices, rows = [], [row for _, row in self.once]
+
+        def flush():
+            if rows:
+                matrices.append(
+                    _evaluated_once([[*row[:_ONCE], *row[_ONCE]] for row in rows])
+                )
+                rows.clear()
+
         for run in _runs([item for _, item in self.later]):
-            once += [_once_row(stats) for stats, _ in _statistics(run)]
-        rows = [[*row[:_ONCE], *row[_ONCE]] for row in once]
-        matrices = []
-        # On one device on every call; on a mesh behind their screens (`add_checks`).
-        for shared, screened in ((self.shared, False), (self.screened, True)):
-            if not shared:
-                continue
-            items = [item for _, item in shared]
-            any_fail = _any_failure(items, []) if screened else None
-            count, first, words = _shared_details(items, any_fail)
-            minus_one = np.full(len(shared), -1, np.int32)
-            columns = [count, first, minus_one, minus_one]  # device, iteration
-            matrices.append(
-                jnp.concatenate([jnp.stack(columns, axis=1), words], axis=1)
-            )
-        return rows, matrices, _rows(contents)
+            mesh = _split_mesh([item.operand for item in run])
+            if mesh is None:
+                rows += [_once_row(stats) for stats, _ in _statistics(run)]
+            else:
+                flush()
+                matrices.append(_matrix(*_split_statistics(mesh, run)))
+        flush()
+        if self.shared:
+            matrices.append(_matrix(*_shared_details([i for _, i in self.shared])))
+        return matrices, _rows(contents)
 
     def packed(self) -> tuple[Any, Any]:
         """What the checks found, as the trace's output: `(once, states)`, int32
@@ -263,9 +261,8 @@ class Frame:
         statistics of the checks made in the trace itself (see `_evaluated_once`)
         and of those on small arrays, `states` those of the others' Refs; `_full`
         makes them whole states."""
-        rows, matrices, states = self.parts()
-        once = ([_evaluated_once(rows)] if rows else []) + matrices
-        return _rows(once), states
+        matrices, states = self.parts()
+        return _rows(matrices), states
 
     def failures(self, packed: tuple[Any, Any], deferred: bool) -> list[Failure]:
         """The failures in `packed` (what `packed()` returned, or whole states), in
@@ -303,6 +300,13 @@ def _runs(items: list[Item]) -> list[list[Item]]:
             runs.append([item])
             mesh, size = on, n
     return runs
+
+
+def _matrix(counts, firsts, words) -> Any:
+    """Rows of `Frame.parts()` from statistics as `_shared_details` returns them."""
+    minus_one = np.full(counts.shape, -1, np.int32)  # device, iteration
+    columns = jnp.stack([counts, firsts, minus_one, minus_one], axis=1)
+    return jnp.concatenate([columns, words], axis=1)
 
 
 def _once_row(stats: tuple) -> tuple:

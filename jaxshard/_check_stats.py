@@ -5,12 +5,11 @@ of one reduction per check when nothing failed.
 On one device, and inside `shard_map`, that reduction finds the statistics
 (`_details`). On a mesh of several devices each device finds those of its own share
 of the array, and one collective of a few integers per check combines them
-(`_split_statistics`): nothing is gathered. Inside `shard_map` the statistics are
-combined over the manual axes (`_combine_devices`).
+(`_split_statistics`, for many checks at once): nothing is gathered. Inside
+`shard_map` the statistics are combined over the manual axes (`_combine_devices`).
 """
 
 from collections.abc import Callable
-from functools import reduce as functools_reduce
 from typing import Any
 
 import jax
@@ -40,7 +39,8 @@ def _statistics(items: list[Item]) -> list[tuple]:
     mesh = _split_mesh([items[i].operand for i in large]) if large else None
     found: dict[int, Any] = {}
     if mesh is not None:  # with no manual axes
-        found = dict(zip(large, _split_statistics(mesh, [items[i] for i in large])))
+        split = [items[i] for i in large]
+        found = dict(zip(large, _unstacked(split, *_split_statistics(mesh, split))))
     rest = [i for i in range(len(items)) if i not in found]
     found.update(zip(rest, _details([items[i] for i in rest])))
     result = []
@@ -52,6 +52,22 @@ def _statistics(items: list[Item]) -> list[tuple]:
             )
         result.append(((count, first, device, *picked), tuple(manual)))
     return result
+
+
+def _unstacked(items: list[Item], counts, firsts, words) -> list[tuple]:
+    """`(count, first element, *values at it)` of each item from `_split_statistics`'s
+    arrays."""
+    out = []
+    for i, item in enumerate(items):
+        picked, at = [], 0
+        for v in item.values:
+            n = _words(v.dtype)
+            if jnp.shape(v):
+                v = _from_words([words[i, at + k] for k in range(n)], v.dtype)
+            picked.append(v)
+            at += n
+        out.append((counts[i], firsts[i], *picked))
+    return out
 
 
 def _whole_on_each_device(x) -> bool:
@@ -71,24 +87,35 @@ def _whole_on_each_device(x) -> bool:
     return explicit and not is_batched(x) and not split & _axes_of(sharding.spec)
 
 
-def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
-    """`(count, first element, *values at it)` of each item's predicate, all of
-    whose operands lie on `mesh`, in one per-device computation with no branch
-    (`_on_blocks`): each device finds the statistics of its share of each operand
-    (a slice of its block where the block is repeated on other devices), and one
-    all-gather of those, a few int32 words per item, lets every device combine
-    them alike (`_across_devices`; on many devices with many items, two rounds of
-    one device's worth). Nothing else crosses devices.
+def _split_statistics(mesh, items: list[Item]) -> tuple[Any, Any, Any]:
+    """`(counts, first elements, value words)` of the items' predicates, all of
+    whose operands lie on `mesh`, as int32 `[items]`, `[items]` and `[items,
+    words]` arrays (`_shared_details`'s), in one per-device computation with no
+    branch (`_on_blocks`): each device finds the statistics of its share of each
+    operand (a slice of its block where the block is repeated on other devices),
+    and one all-gather of those, a few int32 words per item, lets every device
+    combine them alike (`_across_devices`; on many devices with many items, two
+    rounds of one device's worth). Nothing else crosses devices.
 
     That costs a passing call one reduction per item over its share and one
     collective. Screening the shares, combining the screens and computing the
     statistics behind a `lax.cond` on them cost the same collective, and 5% to 6%
     more of an MLP's training step on 8 of XLA's CPU devices (on jax 0.10.2 and
     0.12): its runtime runs the rest of the step around a branch less well than
-    around a reduction."""
+    around a reduction.
+
+    Whatever is per item is scalar work inside the computation; what it returns,
+    and all that follows, is a few array operations for all the items: on a mesh,
+    each operation outside costs XLA's compiler (its sharding propagation) a
+    millisecond or more, whatever its size."""
     explicit = set(mesh.axis_types) == {AxisType.Explicit}
     # The values each item's row carries: its array values.
     carried = [[i for i, v in enumerate(item.values) if jnp.shape(v)] for item in items]
+    # Where each value's words go in its item's row of words.
+    columns = [
+        np.cumsum([0, *(_words(v.dtype) for v in item.values)]) for item in items
+    ]
+    width = max(int(c[-1]) for c in columns)
     # Per item: its operand, then the array values read where it fails (none for a
     # keyed item, whose key tells them); where its operand is among them.
     operands, starts, reads, like = [], [], [], []
@@ -107,55 +134,80 @@ def _split_statistics(mesh, items: list[Item]) -> list[tuple]:
             if explicit and jax.typeof(v).sharding.spec != sharding.spec:
                 v = jax.sharding.reshard(v, sharding)
             operands.append(v)
-    widths = [
-        2 + sum(_words(item.values[i].dtype) for i in c)
-        for item, c in zip(items, carried)
-    ]
+
+    def words_of(i: int, values: list, which: list) -> list:
+        """Item `i`'s values at the indices `which` (its `values`) as its row of
+        `width` words, 0 elsewhere."""
+        words: list = [np.int32(0)] * width
+        for j, v in zip(which, values):
+            words[columns[i][j] : columns[i][j + 1]] = _encode([v])
+        return words
 
     def local(mesh, specs):
         def on_blocks(*blocks):
             axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
             shares = [
-                _share_check(item, key, c, blocks[at : at + 1 + len(read)], spec, axes)
-                for item, key, at, read, c, spec in zip(
-                    items, keyed, starts, reads, carried, [specs[a] for a in starts]
+                _share_check(
+                    item, key, c, blocks[at : at + 1 + len(read)], specs[at], axes
                 )
+                for item, key, at, read, c in zip(items, keyed, starts, reads, carried)
             ]
-            row = []
             found = _located([check for check, _ in shares])
-            for (check, start), f, at in zip(shares, found, starts):
-                sliced = check[0].size < blocks[at].size
-                row += _share_row(f, start, sliced, blocks[at], specs[at], mesh)
-            return tuple(_across_devices(_stacked(row), widths, axes))
+            n = len(items)
+            row = _stacked(
+                [f[0] for f in found]
+                + [start + f[1] for (_, start), f in zip(shares, found)]
+                + [
+                    w
+                    for i, f in enumerate(found)
+                    for w in words_of(i, f[2:], carried[i])
+                ]
+            )
+            blocks_of = [
+                (blocks[at].shape, specs[at], check[0].size < blocks[at].size)
+                for at, (check, _) in zip(starts, shares)
+            ]
+            count, first = _in_whole(row[:n], row[n : 2 * n], blocks_of, mesh)
+            words = row[2 * n :].reshape(n, width)
+            return (_across_devices(count, first, words, axes),)
 
         return on_blocks
 
     def whole(*operands):
-        out = []
-        for item, key, at, read in zip(items, keyed, starts, reads):
+        rows = []
+        for i, (item, key, at, read) in enumerate(zip(items, keyed, starts, reads)):
             operand = operands[at]
             fail = jnp.logical_not(item.pred_fn(operand))
             if key:
                 kind, table = item.kinds
-                shown = [jnp.zeros((), v.dtype) for v in item.values]  # their dtypes
+                shown = [jnp.zeros((), item.values[j].dtype) for j in carried[i]]
                 (found,) = _locate([(fail, shown, (kind(operand), table))])
             else:
                 picked = list(operands[at + 1 : at + 1 + len(read)])
                 found = _first_failure(fail, _flat_index(fail), picked)
             count, first, *values = found
-            out += [count, first, *_encode(values)]
-        return tuple(out)
+            rows += [count, first, *words_of(i, values, carried[i])]
+        return (_stacked(rows).reshape(len(items), 2 + width),)
 
-    found = iter(_on_blocks(mesh, local, whole, operands, sum(widths), like))
-    stats = []
-    for item, c in zip(items, carried):
-        count, first = next(found), next(found)
-        picked = list(item.values)
-        for i in c:
-            dtype = item.values[i].dtype
-            picked[i] = _from_words([next(found) for _ in range(_words(dtype))], dtype)
-        stats.append((count, first, *picked))
-    return stats
+    shape = (len(items), 2 + width)
+    (found,) = _on_blocks(mesh, local, whole, operands, [shape], like)
+    # The words of scalar values, known outside.
+    scalars = [
+        w
+        for i, item in enumerate(items)
+        for w in words_of(
+            i,
+            [v for j, v in enumerate(item.values) if j not in carried[i]],
+            [j for j in range(len(item.values)) if j not in carried[i]],
+        )
+    ]
+    words = found[:, 2:]
+    if any(isinstance(w, jax.core.Tracer) for w in scalars):
+        traced = [jnp.asarray(w, jnp.int32) for w in scalars]
+        words = words + _stacked(traced).reshape(len(items), width)
+    elif any(np.any(w) for w in scalars):
+        words = words + np.asarray(scalars, np.int32).reshape(len(items), width)
+    return found[:, 0], found[:, 1], words
 
 
 def _keyed(item: Item) -> bool:
@@ -172,7 +224,7 @@ def _share_check(
     others, those of its array values, unless `keyed`), and where the share starts
     in the block (row-major)."""
     share, start = _share(blocks[0], spec, axes, start=True)
-    fail = jnp.logical_not(item.pred_fn(share))
+    fail = lax.bitwise_not(item.pred_fn(share))
     if keyed:
         kind, table = item.kinds
         shown = [jnp.zeros((), item.values[i].dtype) for i in carried]  # dtypes
@@ -191,21 +243,59 @@ def _located(checks: list[tuple]) -> list[tuple]:
     return out
 
 
-def _share_row(found: tuple, start, sliced: bool, block, spec, mesh) -> list:
-    """`[count, first failing element, *words of the values there]` of an item
-    over this device's share of its `block` (a slice of it if `sliced`), from what
-    `_locate` `found` in it (`_share_check`), at its place in the whole array."""
-    count, at, *values = found
-    first = jnp.where(
-        count > 0, _global_position(start + at, block.shape, spec, mesh), _BIG
+def _in_whole(count, first, blocks: list[tuple], mesh) -> tuple[Any, Any]:
+    """`(count, first)` of each item (int32 vectors, over this device's share of
+    its block) as they count in the whole array: `first`, a row-major position in
+    the block, becomes one in the whole array (`_BIG` where nothing failed), and a
+    block repeated on other devices counts once, on the first of them. `blocks`
+    holds, per item, `(block shape, spec, whether the share is a slice)`.
+
+    All in a few vector operations: per device and item, where its block starts in
+    the whole array (and whether it counts) is a constant of a table, and the rest
+    is arithmetic on the block's shape."""
+    names = mesh.axis_names
+    grid = np.indices([mesh.shape[a] for a in names]).reshape(len(names), -1)
+    place = dict(zip(names, grid))  # each device's coordinate along each axis
+    ndim = max(len(shape) for shape, _, _ in blocks)
+    # Per item (dimensions aligned right, padded with ones): the block's sizes, the
+    # size of the block below each dimension, and the strides of the whole array.
+    size = np.ones((ndim, len(blocks)), np.int64)
+    below, stride = np.ones_like(size), np.ones_like(size)
+    base = np.zeros((grid.shape[1], len(blocks)), np.int64)  # where each block starts
+    for i, (shape, spec, sliced) in enumerate(blocks):
+        entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+        whole = 1  # the whole array's stride along the dimension
+        for d in reversed(range(len(shape))):
+            k = ndim - len(shape) + d
+            index, parts = np.zeros(grid.shape[1], np.int64), 1  # the block's
+            for a in _names(entries[d]) if entries[d] is not None else ():
+                index, parts = index * mesh.shape[a] + place[a], parts * mesh.shape[a]
+            size[k, i], below[k, i] = shape[d], int(np.prod(shape[d + 1 :]))
+            stride[k, i] = whole
+            base[:, i] += index * shape[d] * whole
+            whole *= shape[d] * parts
+        if not sliced:
+            others = [a for a in names if a not in _axes_of(spec)]
+            repeat = np.zeros(grid.shape[1], np.int64)
+            for a in others:
+                repeat = repeat * mesh.shape[a] + place[a]
+            base[repeat > 0, i] = -1  # a copy: counts nothing
+    device = _linear_index([(a, mesh.shape[a]) for a in names])
+    start = lax.dynamic_index_in_dim(
+        jnp.asarray(base, jnp.int32), device, keepdims=False
     )
-    if not sliced:
-        # Not sliced: a block repeated on other devices reports once, on the first.
-        axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
-        others = [(a, n) for a, n in axes if a not in _axes_of(spec)]
-        primary = _linear_index(others) == 0
-        count, first = jnp.where(primary, count, 0), jnp.where(primary, first, _BIG)
-    return [count, first, *_encode(values)]
+    position = start
+    for k in range(ndim):
+        coordinate = lax.rem(
+            lax.div(first, below[k].astype(np.int32)), size[k].astype(np.int32)
+        )
+        position = position + coordinate * stride[k].astype(np.int32)
+    counted = start >= 0
+    failed = counted & (count > 0)
+    return (
+        lax.select(counted, count, jnp.zeros_like(count)),
+        lax.select(failed, position, jnp.full_like(position, _BIG)),
+    )
 
 
 # Up to this many int32 words (devices x words per device) cross the devices in one
@@ -213,54 +303,52 @@ def _share_row(found: tuple, start, sliced: bool, block, spec, mesh) -> list:
 _GATHERED = 1 << 16
 
 
-def _across_devices(row, widths: list[int], axes) -> list:
-    """The statistics of the whole arrays, the same on every device, from each
-    device's `row` (int32, per item `widths[i]` words: `[count, first failing
-    element, *value words]`, from `_share_statistics`): counts summed, the least
-    first failing element, and the values from the one device holding it.
+def _across_devices(count, first, words, axes) -> Any:
+    """`[count, first failing element, *value words]` of each item in the whole
+    arrays, an int32 `[items, 2 + words]` matrix, the same on every device, from
+    each device's `count` and `first` (`[items]`, from `_in_whole`) and `words`
+    (`[items, words]`): counts summed, the least first elements, and the values
+    from the device holding it.
 
-    Every device's row, each in its own place, in one all-reduce (an all-gather
-    whose result JAX knows is the same on every device), where that is at most
-    `_GATHERED` words. Else one row's worth at a time in two rounds: the counts
-    and the least first elements, then the values from the device holding it."""
-    owner = np.repeat(np.arange(len(widths)), widths)
-    starts = np.cumsum([0, *widths[:-1]])
-    devices = int(np.prod([n for _, n in axes]))
+    Every device's statistics, each in its own place, in one all-reduce (an
+    all-gather whose result JAX knows is the same on every device), where that is
+    at most `_GATHERED` words. Else one device's worth at a time in two rounds: the
+    counts and the least first elements, then the values from the device holding
+    it."""
+    n = count.shape[0]
+    devices = int(np.prod([size for _, size in axes]))
+    row = jnp.concatenate([count, first, words.reshape(-1)])
     if devices * row.size <= _GATHERED:
         places = lax.broadcasted_iota(jnp.int32, (devices, 1), 0)
-        rows = _all_reduce(
-            jnp.where(places == _linear_index(axes), row, 0), axes, lax.psum
-        )
-        counts = jnp.sum(rows[:, starts], axis=0)
-        least = jnp.min(rows[:, starts + 1], axis=0)
-        holder = jnp.argmin(rows[:, starts + 1], axis=0).astype(jnp.int32)[owner]
-        values = jnp.sum(jnp.where(places == holder, rows, 0), axis=0)
+        mine = jnp.where(places == _linear_index(axes), row, 0)
+        rows = _all_reduce(mine, axes, lax.psum)
+        counts = jnp.sum(rows[:, :n], axis=0)
+        firsts = rows[:, n : 2 * n]
+        least = jnp.min(firsts, axis=0)
+        holds = (firsts == least) & (least < _BIG)
+        words = rows[:, 2 * n :].reshape(devices, n, -1)
+        values = jnp.sum(jnp.where(holds[:, :, None], words, 0), axis=0)
     else:
-        counts = _all_reduce(row[starts], axes, lax.psum)
-        least = _all_reduce(row[starts + 1], axes, lax.pmin)
-        holds = (row[starts + 1] == least)[owner]
-        values = _all_reduce(jnp.where(holds, row, 0), axes, lax.psum)
-    at = np.arange(row.size)
-    out = jnp.where(np.isin(at, starts + 1), least[owner], values)
-    out = jnp.where(np.isin(at, starts), counts[owner], out)
-    return [out[i] for i in at]
+        counts = _all_reduce(count, axes, lax.psum)
+        least = _all_reduce(first, axes, lax.pmin)
+        holds = (first == least) & (least < _BIG)
+        values = _all_reduce(jnp.where(holds[:, None], words, 0), axes, lax.psum)
+    return jnp.concatenate([counts[:, None], least[:, None], values], axis=1)
 
 
-def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, Any]:
+def _shared_details(items: list[Item]) -> tuple[Any, Any, Any]:
     """`(count, first element, value words)` of each item (an array predicate, in
-    the trace of a `checked` program, with no manual axes), as int32 `[items]`,
+    the trace of a `checked` program, on one device), as int32 `[items]`,
     `[items]` and `[items, words]` arrays, in a few operations whatever the number
     of items: the failing elements of the predicates of each size class (the next
     power of two) are stacked into one matrix, padded, with their values' words in
     matrices alike, and one variadic reduction per class counts, locates and picks
     the values for every row at once.
 
-    Without `any_fail` (on one device), on every call: XLA's CPU backend compiles
-    and runs that in less time than a `lax.cond` that would skip it when nothing
-    failed; for up to `_SELECTED` items, the reduction only counts and locates, and
-    the values are read after (`located`). With it (on a mesh, where stacking lays
-    the predicates out anew on every device), only when `any_fail` holds. The
-    matrices hold every item's elements: keep the items small."""
+    On every call: XLA's CPU backend compiles and runs that in less time than a
+    `lax.cond` that would skip it when nothing failed; for up to `_SELECTED` items,
+    the reduction only counts and locates, and the values are read after
+    (`located`). The matrices hold every item's elements: keep the items small."""
     width = max(sum(_words(v.dtype) for v in item.values) for item in items)
     classes: dict[int, list[int]] = {}
     for i, item in enumerate(items):
@@ -321,44 +409,9 @@ def _shared_details(items: list[Item], any_fail: Any = None) -> tuple[Any, Any, 
                 words[i] = _encode(picked)
         return in_order(counts), in_order(firsts), jnp.asarray(_selected(words))
 
-    def passing(operands, values):
-        del operands, values
-        n = len(items)
-        return (jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32)) + (
-            jnp.zeros((n, width), jnp.int32),
-        )
-
     operands = [item.operand for item in items]
     values = [item.values for item in items]
-    if any_fail is None:
-        return (located if len(items) <= _SELECTED else details)(operands, values)
-    return _cond(any_fail, details, passing, operands, values)
-
-
-def _cond(pred, details: Callable, passing: Callable, *operands) -> Any:
-    """`lax.cond(pred, details, passing, *operands)`, whose branches return the
-    same structure of arrays, through one int32 array of their words: XLA's CPU
-    runtime copies each output of the branch taken, and a program whose checks
-    passed would copy a few scalars per check on every call (a microsecond or two
-    each: all that a passing check's details cost)."""
-    shapes = passing(*operands)  # constants, which XLA drops
-
-    def packed(branch):
-        def words(*operands):
-            leaves = jax.tree.leaves(branch(*operands))
-            return jnp.concatenate([jnp.ravel(w) for w in _encode(leaves)])
-
-        return words
-
-    words = lax.cond(pred, packed(details), packed(passing), *operands)
-    out, at = [], 0
-    for leaf in jax.tree.leaves(shapes):
-        shape, dtype = jnp.shape(leaf), jnp.result_type(leaf)
-        n, size = _words(dtype), int(np.prod(shape))
-        parts = [words[at + i * size : at + (i + 1) * size] for i in range(n)]
-        out.append(_from_words([p.reshape(shape) for p in parts], dtype))
-        at += n * size
-    return jax.tree.unflatten(jax.tree.structure(shapes), out)
+    return (located if len(items) <= _SELECTED else details)(operands, values)
 
 
 def _stacked(rows: list, fused: int = 8) -> Any:
@@ -429,60 +482,6 @@ def _value_words(item: Item, values: list, length: int, width: int) -> list:
     return columns + [jnp.zeros(length, jnp.int32)] * (width - len(columns))
 
 
-def _any_failure(items: list[Item], manual: list) -> Any:
-    """Whether any item has a failing element, the same on every device.
-
-    On a mesh of several devices, each device screens its own block of each
-    operand, and a slice of it where the block is repeated on other devices (a
-    replicated operand is screened an eighth per device on 8 devices rather than
-    whole on each); one all-reduce of one integer then combines them all. On
-    Explicit axes the blocks are known when the function is traced (a `shard_map`);
-    on Auto axes, only once XLA has propagated shardings: a custom-partitioned
-    operation then screens whatever blocks XLA chose, gathering nothing. Elsewhere
-    (one device, under `vmap`, no mesh in context) each operand is screened
-    whole."""
-    # Only values are checked: no tangents reach the reduction.
-    operands = [lax.stop_gradient(item.operand) for item in items]
-
-    def any_fails(xs):
-        fails = [jnp.logical_not(item.pred_fn(x)) for item, x in zip(items, xs)]
-        return jnp.logical_not(_none_failing(fails))
-
-    mesh = None if manual else _split_mesh(operands)
-    if mesh is None:
-        any_fail = any_fails(operands)
-        return _all_reduce(any_fail, manual, lax.pmax) if manual else any_fail
-
-    def local(mesh, specs):
-        axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
-
-        def screened(*blocks):
-            shares = [_share(b, spec, axes) for b, spec in zip(blocks, specs)]
-            any_fail = any_fails(shares).astype(jnp.int32)
-            return (_all_reduce(any_fail, axes, lax.pmax) > 0,)
-
-        return screened
-
-    def whole(*operands):
-        return (any_fails(operands),)
-
-    (any_fail,) = _on_blocks(mesh, local, whole, operands, 1)
-    return any_fail
-
-
-def _none_failing(fails: list) -> Any:
-    """Whether no element of any of `fails` (booleans) is true: those of one shape
-    (and sharding), up to `_LOCATED` at a time, or'ed elementwise into one
-    reduction (`_none_fail`), which XLA fuses into one kernel with their
-    predicates: many checks' screens compile a few kernels."""
-    none = []
-    for same in _by_layout(fails):
-        for i in range(0, len(same), _LOCATED):
-            some = [fails[j] for j in same[i : i + _LOCATED]]
-            none.append(_none_fail(functools_reduce(jnp.logical_or, some)))
-    return functools_reduce(jnp.logical_and, none)
-
-
 def _by_layout(arrays: list) -> list[list[int]]:
     """The indices of `arrays`, in order, per shape and sharding: those that can
     share a reduction."""
@@ -490,26 +489,6 @@ def _by_layout(arrays: list) -> list[list[int]]:
     for i, x in enumerate(arrays):
         classes.setdefault((x.shape, jax.typeof(x).sharding), []).append(i)
     return list(classes.values())
-
-
-def _none_fail(fail) -> Any:
-    """Whether no element of `fail` (booleans) is true: its maximum as int32, in one
-    variadic reduction with its sum.
-
-    XLA's CPU compiler vectorises that reduction: 0.2x to 0.6x the time of
-    `jnp.all` of the predicate, 0.6x to 0.8x that of a float sum (`isfinite(sum(x -
-    x))`), and 0.05x that of an integer array's `min` and `max`. A reduction of one
-    operand it first rewrites into a tree of partial reductions, over an int32 copy
-    of `fail` (or of booleans, which do not vectorise). The sum keeps the reduction
-    variadic; it may wrap around, the maximum cannot."""
-    fail = fail.astype(jnp.int32)
-    count, most = lax.reduce(
-        (fail, fail),
-        (np.int32(0), np.int32(0)),
-        lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
-        tuple(range(fail.ndim)),
-    )
-    return (most == 0) & (count == 0)
 
 
 def _split_mesh(operands: list) -> Any:
@@ -531,12 +510,12 @@ def _on_blocks(
     local: Callable,
     whole: Callable,
     operands: list,
-    outputs: int,
+    outputs: list[tuple],
     like: list[int] | None = None,
 ):
     """`local(mesh, specs)(*blocks)` on each device's blocks of `operands`, which
-    returns `outputs` scalars that are the same on every device; `whole` computes
-    the same on whole arrays.
+    returns arrays of the shapes `outputs` that are the same on every device;
+    `whole` computes the same on whole arrays.
 
     On Explicit axes the blocks are known at trace time: a `shard_map`. On Auto
     axes XLA lays the operands out after tracing: a custom-partitioned operation,
@@ -545,7 +524,7 @@ def _on_blocks(
     out as operand `like[i]` (of the same shape), if given."""
     if set(mesh.axis_types) == {AxisType.Explicit}:
         specs = tuple(jax.typeof(x).sharding.spec for x in operands)
-        out_specs = (PartitionSpec(),) * outputs
+        out_specs = (PartitionSpec(),) * len(outputs)
         return jax.shard_map(
             local(mesh, specs), mesh=mesh, in_specs=specs, out_specs=out_specs
         )(*operands)
@@ -553,7 +532,7 @@ def _on_blocks(
     def partition(mesh, arg_shapes, result_shape):
         del result_shape
         shardings = tuple(s.sharding for s in arg_shapes)
-        replicated = (NamedSharding(mesh, PartitionSpec()),) * outputs
+        replicated = (NamedSharding(mesh, PartitionSpec()),) * len(outputs)
         return mesh, local(mesh, [s.spec for s in shardings]), replicated, shardings
 
     names = iter(f"d{i}" for i in range(sum(x.ndim for x in operands)))
@@ -562,11 +541,13 @@ def _on_blocks(
         j = i if like is None else like[i]
         tied = j < i and operands[j].shape == x.shape
         factors.append(factors[j] if tied else " ".join(next(names) for _ in x.shape))
+    made = [[f"o{k}_{d}" for d in range(len(shape))] for k, shape in enumerate(outputs)]
     op = custom_partitioning(whole)
     op.def_partition(
         partition,
-        sharding_rule=", ".join(factors) + " -> " + ", ".join([""] * outputs),
+        sharding_rule=", ".join(factors) + " -> " + ", ".join(map(" ".join, made)),
         reduction_factors=tuple(dict.fromkeys(" ".join(factors).split())),
+        need_replication_factors=tuple(f for names in made for f in names),
     )
     return op(*operands)
 
@@ -590,24 +571,6 @@ def _linear_index(axes: list[tuple[str, int]]) -> Any:
     index = jnp.zeros((), jnp.int32)
     for a, n in axes:
         index = index * n + lax.axis_index(a)
-    return index
-
-
-def _global_position(flat, block_shape: tuple, spec, mesh) -> Any:
-    """The row-major index in the whole array of the element at row-major index
-    `flat` in this device's block (of `block_shape`), for an array laid out by
-    `spec` on `mesh`."""
-    entries = tuple(spec) + (None,) * (len(block_shape) - len(spec))
-    index, stride = jnp.zeros((), jnp.int32), 1
-    for size, entry in reversed(list(zip(block_shape, entries))):
-        block = jnp.zeros((), jnp.int32)
-        blocks = 1
-        for a in _names(entry) if entry is not None else ():
-            block = block * mesh.shape[a] + lax.axis_index(a)
-            blocks *= mesh.shape[a]
-        index = index + (block * size + flat % size) * stride
-        flat = flat // size
-        stride *= size * blocks
     return index
 
 
@@ -701,16 +664,21 @@ def _locate(checks: list[tuple]) -> list[tuple]:
     reduced = _count_least([c[0] for c in checks], keys, tuple(range(fail.ndim)))
     out = []
     for (count, first), (_, values, kinds) in zip(reduced, checks):
+        # Scalar work per check, in `lax` (`jnp`'s adds operations): a program's
+        # checks make many such operations, and on a mesh each costs compile time.
         if kinds is not None:
-            table = kinds[1]
-            kind = first % len(table)
-            first = jnp.where(count > 0, first // len(table), _BIG)
-            out.append((count, first, *(_select(kind, table, v.dtype) for v in values)))
+            size = np.int32(len(kinds[1]))
+            kind = lax.rem(first, size)
+            first = lax.select(count > 0, lax.div(first, size), np.int32(_BIG))
+            out.append(
+                (count, first, *(_select(kind, kinds[1], v.dtype) for v in values))
+            )
             continue
-        at, coordinates = jnp.minimum(first, fail.size - 1), []  # an element if none
+        at = lax.min(first, np.int32(fail.size - 1))  # an element if none failed
+        coordinates = []
         for n in reversed(fail.shape):
-            coordinates.insert(0, at % n)
-            at = at // n
+            coordinates.insert(0, lax.rem(at, np.int32(n)))
+            at = lax.div(at, np.int32(n))
 
         def read(x, coordinates=coordinates):
             return lax.dynamic_slice(x, coordinates, (1,) * x.ndim).reshape(())
@@ -731,8 +699,11 @@ def _count_least(fails: list, keys: list, axes: tuple) -> list[tuple]:
 
     reduced = lax.reduce(
         (
-            *(f.astype(jnp.int32) for f in fails),
-            *(jnp.where(f, key, _BIG) for f, key in zip(fails, keys)),
+            *(lax.convert_element_type(f, jnp.int32) for f in fails),
+            *(
+                lax.select(f, key, lax.full_like(key, _BIG))
+                for f, key in zip(fails, keys)
+            ),
         ),
         (np.int32(0),) * n + (np.int32(_BIG),) * n,
         combine,
@@ -744,9 +715,10 @@ def _count_least(fails: list, keys: list, axes: tuple) -> list[tuple]:
 def _select(index, table: tuple, dtype) -> Any:
     """`table[index]` as `dtype`, elementwise (a gather would need the shardings of
     a vmapped `index` spelled out)."""
-    out = jnp.asarray(table[-1], dtype)
+    out = jnp.full(jnp.shape(index), table[-1], dtype)
     for i, value in enumerate(table[:-1]):
-        out = jnp.where(index == i, jnp.asarray(value, dtype), out)
+        here = index == np.int32(i)
+        out = lax.select(here, jnp.full(jnp.shape(index), value, dtype), out)
     return out
 
 

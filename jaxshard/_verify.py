@@ -277,6 +277,8 @@ def verify(
         except Exception as e:
             if is_sharding_type_error(e):
                 raise ModelError(_sharding_type_error(name, mesh, e)) from e
+            if "CustomSPMDPartitioning" in str(e):
+                raise ModelError(_no_custom_partitioning(name, mesh)) from e
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             # XLA's TPU compiler refuses a program that cannot fit in HBM.
@@ -336,6 +338,20 @@ def _sharding_type_error(name: str, mesh: Mesh, error: Exception) -> str:
         "it where JAX asks (e.g. `out_sharding=` or `jax.sharding.reshard`), or verify "
         'on Auto axes (`jaxshard.tpu_mesh(..., axis_types="auto")`, the default; '
         "`--axis-types auto`), where XLA chooses."
+    )
+
+
+def _no_custom_partitioning(name: str, mesh: Mesh) -> str:
+    """Why a program with custom-partitioned operations does not compile here."""
+    return (
+        f"jaxshard.verify({name}): XLA's compiler for mesh {describe_mesh(mesh)} "
+        f"({describe_devices(mesh)}) does not call back JAX's custom partitioning "
+        "(`jax.experimental.custom_partitioning`), as XLA's TPU compiler does not "
+        "when loaded for a topology on a machine without TPUs. jaxshard's value "
+        "checks (`jaxshard.check`, `check_finite`, ...) use it on Auto mesh axes. "
+        'Verify with them off (`with jaxshard.config(checks="off"):`), or on '
+        'Explicit axes (`jaxshard.tpu_mesh(..., axis_types="explicit")`; '
+        "`--axis-types explicit`), where they need no callback."
     )
 
 

@@ -1005,14 +1005,16 @@ def test_check_range_of_integers(where):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32, jnp.bfloat16])
-def test_a_screen_is_one_reduction_fused_with_its_predicate(dtype):
-    """A check's screen, what a passing call costs on a mesh, compiles to one
-    reduction fused with its predicate: the program makes no array of the
-    predicate's size (a reduction of one operand would first copy it to int32)."""
-    from jaxshard._check_stats import _none_fail
+def test_a_checks_reduction_is_fused_with_its_predicate(dtype):
+    """The reduction that finds the first failures of checks on arrays of one shape
+    (`_locate`), all a passing call costs, compiles fused with their predicates:
+    the program makes no array of the predicates' size (a reduction of one operand
+    would first copy it to int32)."""
+    from jaxshard._check_stats import _locate
 
     x = jnp.zeros((512, 512), dtype)
-    program = jax.jit(lambda x: _none_fail(x > 1)).lower(x).compile().as_text()
+    located = jax.jit(lambda x: _locate([(x > 1, [x], None), (x < -1, [], None)]))
+    program = located.lower(x).compile().as_text()
     entry = program[program.index("\nENTRY") :]
     made = re.findall(r"= (\w+\[[\d,]*\])[^ ]* (?!parameter)", entry)
     assert not [shape for shape in made if "512,512" in shape], entry
@@ -1246,17 +1248,20 @@ def test_checks_on_larger_arrays_of_one_shape_share_reductions(mode):
 
 @pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
 def test_many_checks_on_a_mesh_cross_devices_a_few_times(kind):
-    """On a mesh of several devices, the checks on larger arrays are found in runs
-    of up to 2**18 elements, one per-device operation (and all-reduce) each, and
-    the screens of the small ones in one more: twenty checks over 16,384 elements
-    and twenty over 64 make three, and every failure keeps its count, first
-    element and value."""
+    """On a mesh of several devices, the checks on arrays of up to 2**17 elements
+    are found in runs of up to 2**18 elements, one per-device operation (and
+    all-reduce) each: twenty checks over 16,384 elements and twenty over 64 make
+    two, and every failure keeps its count, first element and values, those read
+    where it failed and those of scalars known outside."""
     mesh = jax.make_mesh((8,), ("dp",), axis_types=(kind,))
     sizes = [16384, 64] * 20
 
     def f(xs):
         for i, x in enumerate(xs):
-            jaxshard.check(x < 10, f"{i}: {{v}}", v=x)
+            if i % 3:
+                jaxshard.check(x < 10, f"{i}: {{v}}", v=x)
+            else:  # a value of another dtype, and a scalar's
+                jaxshard.check(x < 10, f"{i}: {{v}} {{s}}", v=x.astype(int), s=x.sum())
         return xs
 
     def inputs(failing):
@@ -1271,11 +1276,15 @@ def test_many_checks_on_a_mesh_cross_devices_a_few_times(kind):
         # Per-device operations: a shard_map on Explicit axes, a custom partitioning
         # on Auto ones (forty, one per check, before they were gathered in runs).
         per_device = ("sdy.manual_computation", "@CustomSPMDPartitioning")
-        assert sum(map(text.count, per_device)) == 3
-        g(inputs(()))
+        assert sum(map(text.count, per_device)) == 2
+        g(inputs(()))  # passes
         failing = [0, 5, 17, 30, 33]
         found = failures(g, inputs(failing))
-    assert [x.message for x in found] == [f"{i}: {20 + i}.0" for i in failing]
+    expected = [
+        f"{i}: {20 + i} {70.0 + i}" if i % 3 == 0 else f"{i}: {20 + i}.0"
+        for i in failing
+    ]
+    assert [x.message for x in found] == expected
     assert [x.element for x in found] == [(3 + i,) for i in failing]
     assert all(x.count == 2 for x in found)
 

@@ -90,17 +90,44 @@ def test_a_pod_sized_mlp(tpu_topology):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_check_finite_survives_the_tpu_compiler(tpu_topology, dtype):
-    """`check_finite` screens each device's block of a leaf with one reduction of
-    `~isfinite(x)` (`_none_fail`): XLA's TPU compiler keeps the test in it."""
-    from jaxshard._check_stats import _none_fail
-
-    mesh = tpu_topology("v5e:2x2", {"dp": 2, "tp": 2})
+    """`check_finite` finds the first non-finite element of each device's block of
+    a leaf with one reduction of `~isfinite(x)` (`_locate`) and one all-reduce:
+    XLA's TPU compiler keeps the test in it."""
+    mesh = tpu_topology("v5e:2x2", {"dp": 2, "tp": 2}, axis_types="explicit")
     x = jax.ShapeDtypeStruct(
         (512, 512), dtype, sharding=jax.sharding.NamedSharding(mesh, P("dp"))
     )
-    screen = jax.jit(lambda x: _none_fail(~jnp.isfinite(x)))
-    text = screen.lower(x).compile().as_text()
-    assert "is-finite" in text and "reduce" in text, text
+
+    def f(x):
+        jaxshard.check_finite(x, name="x")
+        return x * 2
+
+    with jax.set_mesh(mesh):
+        text = jaxshard.checked(jax.jit(f)).lower(x).compile().as_text()
+    assert "is-finite" in text and "all-reduce" in text, text
+
+
+def test_value_checks_on_auto_axes_of_a_topology_say_how_to_verify(tpu_topology):
+    """XLA's TPU compiler, loaded for a topology without TPUs, does not call back
+    JAX's custom partitioning, which value checks use on Auto axes: `verify` says
+    so and how to verify instead (checks off, or Explicit axes), rather than
+    passing on XLA's error."""
+
+    @checked
+    def f(x: Float[Array, "b d", P("dp")]) -> Float[Array, "b d", P("dp")]:
+        jaxshard.check_finite(x, name="x")
+        return x * 2
+
+    dims = {"b": 512, "d": 512}
+    mesh = tpu_topology("v5e:2x2", {"dp": 2, "tp": 2})
+    with pytest.raises(jaxshard.ModelError, match="custom partitioning") as e:
+        jaxshard.verify(f, mesh=mesh, dims=dims)
+    assert 'checks="off"' in str(e.value) and 'axis_types="explicit"' in str(e.value)
+    with jaxshard.config(checks="off"):
+        assert jaxshard.verify(f, mesh=mesh, dims=dims).ok
+    explicit = tpu_topology("v5e:2x2", {"dp": 2, "tp": 2}, axis_types="explicit")
+    report = jaxshard.verify(f, mesh=explicit, dims=dims)
+    assert report.ok and len(report.collectives) == 1  # the checks' all-reduce
 
 
 def test_unknown_topology_names_the_known_chips():
