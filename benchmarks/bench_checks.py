@@ -47,10 +47,12 @@
     device and on eight: deferred / flag vector and raise / checkify.
 (f) Compile time: a function of 64 floats making 10, 100 and 1,000 checks, scalar
     (`x[i] > -1 - i`) or over the array (`x * (i + 1) < 1e9`), each showing a value,
-    and the array checks on 16,384 floats (beyond the size jaxshard stacks):
-    XLA's compile time with jaxshard (the program both modes run), with checkify
-    and with no checks, and per check (over no checks); medians of 21, 9 and 3
-    rounds, JAX's caches cleared before each compile.
+    and the array checks on 16,384 floats (beyond the size jaxshard stacks), on one
+    device; then the array checks with the arrays split over the 8 devices of an
+    Explicit and an Auto mesh (a thousand over 64 floats only): XLA's compile time
+    with jaxshard (the program both modes run), with checkify and with no checks,
+    and per check (over no checks); medians of 21, 9 and 3 rounds, JAX's caches
+    cleared before each compile.
 (g) First call: trace, compile and one step of each variant of (a), with JAX's
     caches cleared.
 (h) The flag vector of (a) with its gradients' predicate written by hand three ways:
@@ -75,6 +77,7 @@ Run: `python benchmarks/bench_checks.py` (or `nox -s bench`); `--quick` for a sm
 test; `--only=bf` for some parts only.
 """
 
+import contextlib
 import functools as ft
 import gc
 import os
@@ -467,20 +470,25 @@ def shaped_loops(devices: int, width: int, steps: int) -> dict:
 # --- (f) compile time ----------------------------------------------------------------
 
 CHECK_COUNTS = (10, 100) if QUICK else (10, 100, 1000)
+SHAPES = (("scalar", 64), ("array", 64), ("array", 16384))  # on one device
 # Rounds per number of checks: a program of ten checks compiles in tens of
 # milliseconds, as much as this machine's noise, and takes more rounds to measure.
 COMPILE_ROUNDS = {10: 21, 100: 9, 1000: 3}
 
 
-def compile_times(n: int, kind: str, size: int = 64) -> dict:
+def compile_times(n: int, kind: str, size: int = 64, mesh=None) -> dict:
     """Seconds to trace and lower, and to compile (XLA), a function of `size` floats
     making `n` checks: with jaxshard (the program `checked(jax.jit(f))` runs in
     either mode), with checkify (`jax.jit(checkify.checkify(f))`), and without
     checks; the median of `COMPILE_ROUNDS[n]` rounds, in alternating
     order, each with JAX's caches cleared. `kind` "scalar" checks `x[i] > -1 - i`;
     "array" checks `x * (i + 1) < 1e9`, each with the value in the message.
-    (`checked(...).lower` lowers the program a checked call runs.)"""
-    x = jax.device_put(jnp.arange(float(size)), jax.devices()[0])
+    (`checked(...).lower` lowers the program a checked call runs.) On one device,
+    or split over `mesh`'s "dp" axis."""
+    if mesh is None:
+        x = jax.device_put(jnp.arange(float(size)), jax.devices()[0])
+    else:
+        x = jax.device_put(jnp.arange(float(size)), NamedSharding(mesh, P("dp")))
 
     def predicates(x):
         for i in range(n):
@@ -520,7 +528,8 @@ def compile_times(n: int, kind: str, size: int = 64) -> dict:
         "checkify": timed(lambda: jax.jit(checkify.checkify(with_checkify))),
         "no checks": timed(lambda: jax.jit(without)),
     }
-    times = side_by_side(runs, 1 if QUICK else COMPILE_ROUNDS[n])
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        times = side_by_side(runs, 1 if QUICK else COMPILE_ROUNDS[n])
     return {
         name: tuple(median(t[i] for t in times[name]) for i in range(2))
         for name in runs
@@ -799,17 +808,28 @@ def main() -> int:
     if "f" in ONLY:
         rows = [("(f) compile", "jaxshard", "checkify", "no checks")]
         rows[0] += ("ms/check jaxshard, checkify", "trace+lower js/ck")
-        for kind, size in (("scalar", 64), ("array", 64), ("array", 16384)):
-            for n in CHECK_COUNTS:
-                t = compile_times(n, kind, size)
-                names = ("jaxshard", "checkify")
-                per_check = [(t[k][1] - t["no checks"][1]) / n * 1e3 for k in names]
-                rows.append(
-                    (f"{n} {kind} checks, {size} floats",)
-                    + tuple(f"{t[k][1]:.2f} s" for k in t)
-                    + (", ".join(f"{x:.1f}" for x in per_check),)
-                    + (f"{t['jaxshard'][0]:.2f} / {t['checkify'][0]:.2f} s",)
-                )
+        # On one device; then split over the 8 devices of each kind of mesh, a
+        # thousand checks over the smaller array only (checkify's take a minute).
+        cases = [(k, s, n, None) for k, s in SHAPES for n in CHECK_COUNTS]
+        cases += [
+            ("array", size, n, axis_type)
+            for axis_type in ("Explicit", "Auto")
+            for size in (64, 16384)
+            for n in CHECK_COUNTS
+            if n < 1000 or size == 64
+        ]
+        for kind, size, n, axis_type in cases:
+            mesh = meshes[axis_type] if axis_type else None
+            t = compile_times(n, kind, size, mesh)
+            names = ("jaxshard", "checkify")
+            per_check = [(t[k][1] - t["no checks"][1]) / n * 1e3 for k in names]
+            where = f", dp-sharded, {axis_type} mesh" if axis_type else ""
+            rows.append(
+                (f"{n} {kind} checks, {size} floats{where}",)
+                + tuple(f"{t[k][1]:.2f} s" for k in t)
+                + (", ".join(f"{x:.1f}" for x in per_check),)
+                + (f"{t['jaxshard'][0]:.2f} / {t['checkify'][0]:.2f} s",)
+            )
         print_table(rows)
         print("target: jaxshard ms/check <= checkify ms/check", flush=True)
 
