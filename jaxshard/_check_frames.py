@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _config
+from ._check_mesh import _split_mesh, _split_statistics, _statistics
 from ._check_records import _accumulate, _fallback, _record
 from ._check_rows import _evaluated_once, _full, _ONCE, _rows
 from ._check_sites import Failure, Site
@@ -37,13 +38,7 @@ from ._check_state import (
     State,
     STATE_SIZE,
 )
-from ._check_stats import (
-    _LOCATED_SIZE,
-    _shared_details,
-    _split_mesh,
-    _split_statistics,
-    _statistics,
-)
+from ._check_stats import _LOCATED_SIZE, _shared_details
 from ._jax_internals import current_trace, jit_parameters, new_ref_in
 
 
@@ -249,10 +244,12 @@ class Frame:
                 rows += [_once_row(stats) for stats, _ in _statistics(run)]
             else:
                 flush()
-                matrices.append(_matrix(*_split_statistics(mesh, run)))
+                matrices.append(_matrix(_split_statistics(mesh, run)))
         flush()
         if self.shared:
-            matrices.append(_matrix(*_shared_details([i for _, i in self.shared])))
+            count, first, words = _shared_details([i for _, i in self.shared])
+            found = jnp.concatenate([jnp.stack([count, first], 1), words], 1)
+            matrices.append(_matrix(found))
         return matrices, _rows(contents)
 
     def packed(self) -> tuple[Any, Any]:
@@ -302,11 +299,11 @@ def _runs(items: list[Item]) -> list[list[Item]]:
     return runs
 
 
-def _matrix(counts, firsts, words) -> Any:
-    """Rows of `Frame.parts()` from statistics as `_shared_details` returns them."""
-    minus_one = np.full(counts.shape, -1, np.int32)  # device, iteration
-    columns = jnp.stack([counts, firsts, minus_one, minus_one], axis=1)
-    return jnp.concatenate([columns, words], axis=1)
+def _matrix(found) -> Any:
+    """Rows of `Frame.parts()` from checks' statistics, an int32 `[checks, 2 +
+    words]` matrix of `[count, first failing element, *value words]` rows."""
+    minus_one = np.full((found.shape[0], 2), -1, np.int32)  # device, iteration
+    return jnp.concatenate([found[:, :2], minus_one, found[:, 2:]], axis=1)
 
 
 def _once_row(stats: tuple) -> tuple:

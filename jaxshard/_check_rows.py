@@ -103,6 +103,8 @@ def _rows(arrays: list) -> Any:
     if not arrays:
         return None
     width = max(x.shape[1] for x in arrays)
-    return jnp.concatenate(
-        [jnp.pad(x, ((0, 0), (0, width - x.shape[1]))) for x in arrays]
-    )
+    padded = [
+        x if x.shape[1] == width else jnp.pad(x, ((0, 0), (0, width - x.shape[1])))
+        for x in arrays
+    ]
+    return padded[0] if len(padded) == 1 else jnp.concatenate(padded)

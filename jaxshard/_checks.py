@@ -23,10 +23,11 @@ from jax.sharding import AxisType
 
 from . import _config, _torch
 from ._check_frames import _compiled, _frames, Frame
+from ._check_mesh import _statistics
 from ._check_records import _fallback, _generation, _record, deferred_scopes, Scope
 from ._check_sites import _format, CheckError, Failure, Site
 from ._check_state import _encode, _INITIAL, COUNT, ELEMENT, Item
-from ._check_stats import _manual_axes, _statistics
+from ._check_stats import _manual_axes
 from ._errors import expect, expect_callable
 from ._jax_internals import in_trace
 

@@ -794,16 +794,15 @@ def test_check_finite_splits_replicated_leaves(mesh, spec):
 )
 @pytest.mark.parametrize("spec", [P(), P("dp"), P(None, "tp"), P("tp", "dp")])
 def test_large_arrays_are_reported_where_they_lie(kind, rounds, spec, monkeypatch):
-    """A check on an array too large to share its details (4,096 elements) finds
-    its failures in one pass over each device's share of its block, with no
-    branch: the count, the first element and its values are exact, and nothing is
-    gathered. The devices' findings cross in one all-reduce of a row per device;
-    where those rows would be too many words (a pod with many checks), in two
-    rounds of one row each."""
-    from jaxshard import _check_stats
+    """A check on an array split over a mesh finds its failures in one pass over
+    each device's share of its block, with no branch: the count, the first
+    element and its values are exact, and nothing is gathered. The devices'
+    findings cross in one all-reduce of a row per device; where those rows would
+    be too many words (a pod with many checks), in two rounds of one row each."""
+    from jaxshard import _check_mesh
 
     if rounds == 2:
-        monkeypatch.setattr(_check_stats, "_GATHERED", 0)
+        monkeypatch.setattr(_check_mesh, "_GATHERED", 0)
     axis = {"explicit": AxisType.Explicit}.get(kind, AxisType.Auto)
     mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(axis, axis))
     shape = (640, 512)
@@ -841,14 +840,14 @@ def test_large_arrays_are_reported_where_they_lie(kind, rounds, spec, monkeypatc
 @pytest.mark.parametrize("rounds", [1, 2])
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
 def test_a_repeated_block_too_small_to_slice_counts_once(kind, rounds, monkeypatch):
-    """A replicated array whose size the devices do not divide is screened whole on
+    """A replicated array whose size the devices do not divide is checked whole on
     each of them, and each failure is still counted once, its value read from one
     device (the findings crossing the devices in one round or two: see
     `test_large_arrays_are_reported_where_they_lie`)."""
-    from jaxshard import _check_stats
+    from jaxshard import _check_mesh
 
     if rounds == 2:
-        monkeypatch.setattr(_check_stats, "_GATHERED", 0)
+        monkeypatch.setattr(_check_mesh, "_GATHERED", 0)
     axis = {"explicit": AxisType.Explicit}.get(kind, AxisType.Auto)
     mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(axis, axis))
     x = np.zeros((643, 7), np.float32)  # 4,501 elements: not a multiple of 8
@@ -970,8 +969,8 @@ def test_one_device_checks_have_no_branch():
 @pytest.mark.parametrize("where", ["one device", "explicit", "auto"])
 def test_check_range_of_integers(where):
     """check_range's verdict on integers is that of the elementwise comparison, for
-    empty arrays and at the bounds too, whether the check screens each device's
-    block first (on a mesh) or not, on small arrays and large ones."""
+    empty arrays and at the bounds too, whether each device checks its block (on
+    a mesh) or not, on small arrays and large ones."""
 
     @jaxshard.checked
     @jax.jit
