@@ -281,16 +281,24 @@ _SHARED_SIZE = 1 << 12
 _SHARED_TOTAL = 1 << 18
 
 
+# Up to this many checks in a run (`_runs`): XLA compiles a per-device operation of a
+# thousand checks' operands in more time than sixteen of 64 (on 8 devices, 10.4
+# against 7.2 ms per check on Explicit axes, 6.8 and 6.7 on Auto ones).
+_RUN = 64
+
+
 def _runs(items: list[Item]) -> list[list[Item]]:
     """`items`, in program order, in runs on one mesh of up to `_LOCATED_SIZE`
-    elements: those whose statistics are found together (see `Frame.add_checks`).
-    A check's array may live until the last of its run's is made."""
+    elements and `_RUN` items: those whose statistics are found together (see
+    `Frame.add_checks`). A check's array may live until the last of its run's is
+    made."""
     runs: list[list[Item]] = []
     mesh, size = None, 0
     for item in items:
         n = int(np.prod(item.shape))
         on = jax.typeof(item.operand).sharding.mesh
-        if runs and on == mesh and size + n <= _LOCATED_SIZE:
+        fits = size + n <= _LOCATED_SIZE and len(runs[-1] if runs else ()) < _RUN
+        if runs and on == mesh and fits:
             runs[-1].append(item)
             size += n
         else:
