@@ -247,9 +247,7 @@ class Frame:
                 matrices.append(_matrix(_split_statistics(mesh, run)))
         flush()
         if self.shared:
-            count, first, words = _shared_details([i for _, i in self.shared])
-            found = jnp.concatenate([jnp.stack([count, first], 1), words], 1)
-            matrices.append(_matrix(found))
+            matrices.append(_matrix(_shared_details([i for _, i in self.shared])))
         return matrices, _rows(contents)
 
     def packed(self) -> tuple[Any, Any]:
@@ -297,8 +295,7 @@ def _runs(items: list[Item]) -> list[list[Item]]:
     for item in items:
         n = int(np.prod(item.shape))
         on = jax.typeof(item.operand).sharding.mesh
-        fits = size + n <= _LOCATED_SIZE and len(runs[-1] if runs else ()) < _RUN
-        if runs and on == mesh and fits:
+        if runs and on == mesh and size + n <= _LOCATED_SIZE and len(runs[-1]) < _RUN:
             runs[-1].append(item)
             size += n
         else:
@@ -309,7 +306,8 @@ def _runs(items: list[Item]) -> list[list[Item]]:
 
 def _matrix(found) -> Any:
     """Rows of `Frame.parts()` from checks' statistics, an int32 `[checks, 2 +
-    words]` matrix of `[count, first failing element, *value words]` rows."""
+    words]` matrix of `[count, first failing element, *value words]` rows (what
+    `_shared_details` and `_split_statistics` return)."""
     minus_one = np.full((found.shape[0], 2), -1, np.int32)  # device, iteration
     return jnp.concatenate([found[:, :2], minus_one, found[:, 2:]], axis=1)
 

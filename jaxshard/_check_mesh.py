@@ -394,7 +394,7 @@ def _share(block, spec, axes, start: bool = False):
     """This device's share of `block`: a slice of it when the devices along the mesh
     axes `spec` does not use hold the same block. With `start`, `(share, where it
     starts in the block, row-major)`."""
-    used = {a for entry in spec if entry is not None for a in _names(entry)}
+    used = _axes_of(spec)
     others = [(a, n) for a, n in axes if a not in used]
     copies = int(np.prod([n for _, n in others]))
     if copies == 1 or block.size % copies:

@@ -49,14 +49,15 @@ def _located(checks: list[tuple]) -> list[tuple]:
     return out
 
 
-def _shared_details(items: list[Item]) -> tuple[Any, Any, Any]:
-    """`(count, first element, value words)` of each item (an array predicate, in
-    the trace of a `checked` program, on one device), as int32 `[items]`,
-    `[items]` and `[items, words]` arrays, in a few operations whatever the number
-    of items: the failing elements of the predicates of each size class (the next
-    power of two) are stacked into one matrix, padded, with their values' words in
-    matrices alike, and one variadic reduction per class counts, locates and picks
-    the values for every row at once.
+def _shared_details(items: list[Item]) -> Any:
+    """`[count, first failing element, *value words]` of each item (an array
+    predicate, in the trace of a `checked` program, on one device), as an int32
+    `[items, 2 + words]` matrix (`_split_statistics`'s on a mesh), in a few
+    operations whatever the number of items: the failing elements of the
+    predicates of each size class (the next power of two) are stacked into one
+    matrix, padded, with their values' words in matrices alike, and one variadic
+    reduction per class counts, locates and picks the values for every row at
+    once.
 
     On every call: XLA's CPU backend compiles and runs that in less time than a
     `lax.cond` that would skip it when nothing failed; for up to `_SELECTED` items,
@@ -97,7 +98,7 @@ def _shared_details(items: list[Item]) -> tuple[Any, Any, Any]:
             firsts.append(first)
             none = jnp.zeros((len(members), 0), jnp.int32)  # no value words
             words.append(jnp.stack(at, axis=1) if at else none)
-        return tuple(in_order(x) for x in (counts, firsts, words))
+        return _found(in_order(counts), in_order(firsts), in_order(words))
 
     def located(operands, values):
         # Carrying the values in the reduction takes their words stacked into
@@ -120,11 +121,18 @@ def _shared_details(items: list[Item]) -> tuple[Any, Any, Any]:
                     for v in values[i]
                 ]
                 words[i] = _encode(picked)
-        return in_order(counts), in_order(firsts), jnp.asarray(_selected(words))
+        words = jnp.asarray(_selected(words))
+        return _found(in_order(counts), in_order(firsts), words)
 
     operands = [item.operand for item in items]
     values = [item.values for item in items]
     return (located if len(items) <= _SELECTED else details)(operands, values)
+
+
+def _found(counts, firsts, words) -> Any:
+    """The `[count, first failing element, *value words]` rows of checks' statistics,
+    from their columns."""
+    return jnp.concatenate([jnp.stack([counts, firsts], axis=1), words], axis=1)
 
 
 def _stacked(rows: list, fused: int = 8) -> Any:
