@@ -22,15 +22,16 @@ from ._check_state import _BIG, _encode, _from_words, _words, Item
 from ._check_stats import (
     _all_reduce,
     _axes_of,
+    _by_layout,
     _combine_devices,
     _details,
     _first_failure,
     _flat_index,
     _linear_index,
     _locate,
-    _located,
     _manual_axes,
     _names,
+    _select,
     _stacked,
 )
 from ._jax_internals import is_batched
@@ -139,32 +140,24 @@ def _split_statistics(mesh, items: list[Item]) -> Any:
             words[columns[i][j] : columns[i][j + 1]] = _encode([v])
         return words
 
+    # Where each item's carried values' words start in its row of words.
+    places = [[int(columns[i][j]) for j in c] for i, c in enumerate(carried)]
+
     def local(mesh, specs):
         def on_blocks(*blocks):
             axes = [(a, mesh.shape[a]) for a in mesh.axis_names]
-            shares = [
+            checks = [
                 _share_check(
                     item, key, c, blocks[at : at + 1 + len(read)], specs[at], axes
                 )
                 for item, key, at, read, c in zip(items, keyed, starts, reads, carried)
             ]
-            found = _located([check for check, _ in shares])
-            n = len(items)
-            row = _stacked(
-                [f[0] for f in found]
-                + [start + f[1] for (_, start), f in zip(shares, found)]
-                + [
-                    w
-                    for i, f in enumerate(found)
-                    for w in words_of(i, f[2:], carried[i])
-                ]
-            )
+            count, first, words = _share_statistics(checks, places, width)
             blocks_of = [
                 (blocks[at].shape, specs[at], check[0].size < blocks[at].size)
-                for at, (check, _) in zip(starts, shares)
+                for at, check in zip(starts, checks)
             ]
-            count, first = _in_whole(row[:n], row[n : 2 * n], blocks_of, mesh)
-            words = row[2 * n :].reshape(n, width)
+            count, first = _in_whole(count, first, blocks_of, mesh)
             return (_across_devices(count, first, words, axes),)
 
         return on_blocks
@@ -216,29 +209,172 @@ def _keyed(item: Item) -> bool:
 def _share_check(
     item: Item, keyed: bool, carried: list, blocks: tuple, spec, axes
 ) -> tuple:
-    """`((fail, values, kinds), start)`: what `_locate` takes to find the
-    statistics of `item` over this device's share of its block (`blocks[0]`; the
-    others, those of its array values, unless `keyed`), and where the share starts
-    in the block (row-major)."""
-    share, start = _share(blocks[0], spec, axes, start=True)
+    """`(fail, values, kinds)`: what `_locate` takes to find the statistics of
+    `item` over this device's share of its block (`blocks[0]`; the others, those of
+    its array values, unless `keyed`; see `_share`)."""
+    share = _share(blocks[0], spec, axes)
     fail = lax.bitwise_not(item.pred_fn(share))
     if keyed:
         kind, table = item.kinds
-        shown = [jnp.zeros((), item.values[i].dtype) for i in carried]  # dtypes
-        return (fail, shown, (kind(share), table)), start
-    return (fail, [_share(p, spec, axes) for p in blocks[1:]], None), start
+        shown = [np.zeros((), item.values[i].dtype) for i in carried]  # dtypes
+        return fail, shown, (kind(share), table)
+    return fail, [_share(p, spec, axes) for p in blocks[1:]], None
+
+
+# On shares of up to this many elements, a check's reduction carries its values
+# (see `_share_statistics`).
+_CARRIED = 1 << 12
+
+
+def _share_statistics(checks: list[tuple], places: list[list[int]], width: int):
+    """`(count, first, words)` of `checks` (`(fail, values, kinds)` on this
+    device's shares, as `_locate` takes them): how many elements failed and the
+    first that did (row-major in the share, `_BIG` if none), int32 `[checks]`,
+    and the values there, an int32 `[checks, width]` matrix, check `i`'s `j`-th
+    value's words from column `places[i][j]` (0 elsewhere).
+
+    XLA's CPU compiler spends about ten milliseconds on each kernel it makes, and
+    a third of one on each operation in a kernel, so this makes few of both. The
+    checks on shares of one shape share one variadic reduction, fused with their
+    predicates (`_reduced`); the scalars it returns go straight into vectors,
+    which costs no kernel (a concatenation of computed scalars costs one per
+    scalar), and the rest is a few vector operations for all the checks."""
+    n = len(checks)
+    counts: list = [None] * n
+    keys: list = [None] * n
+    words: list = [np.int32(0)] * (n * width)  # row-major
+    for same in _by_layout([check[0] for check in checks]):
+        for i, (count, key, *picked) in zip(same, _reduced([checks[i] for i in same])):
+            counts[i], keys[i] = count, key
+            _, values, _ = checks[i]
+            at = [
+                p + w for v, p in zip(values, places[i]) for w in range(_words(v.dtype))
+            ]
+            for column, word in zip(at, picked):
+                words[i * width + column] = word
+    count, key = _vector(counts), _vector(keys)
+    words = (
+        lax.reshape(_vector(words), (n, width)) if width else np.zeros((n, 0), np.int32)
+    )
+    size = np.asarray([1 if k is None else len(k[1]) for _, _, k in checks], np.int32)
+    if (size == 1).all():
+        return count, key, words
+    # With `kinds`: the least key tells the first failing element and the value
+    # there, for every check at once.
+    failed = lax.gt(count, np.int32(0))
+    first = lax.select(failed, lax.div(key, size), lax.full_like(key, _BIG))
+    kind = lax.rem(key, size)
+    shown: dict = {}  # per table and dtype: where its words go, and them
+    for i, (_, values, kinds) in enumerate(checks):
+        for v, place in zip(values if kinds is not None else [], places[i]):
+            if (kinds[1], v.dtype) not in shown:
+                picked = _encode([_select(kind, kinds[1], v.dtype)])
+                shown[kinds[1], v.dtype] = (
+                    np.zeros((len(picked), n, width), bool),
+                    picked,
+                )
+            where, _ = shown[kinds[1], v.dtype]
+            where[:, i, place] = False
+            for w in range(len(where)):
+                where[w, i, place + w] = True
+    for where, picked in shown.values():
+        for here, vector in zip(where, picked):
+            vector = lax.broadcast_in_dim(vector, (n, width), (0,))
+            words = lax.select(here, vector, words)
+    return count, first, words
+
+
+def _vector(scalars: list) -> Any:
+    """int32 scalars, traced or not, as a vector: one concatenation."""
+    parts = [
+        lax.reshape(x, (1,))
+        if isinstance(x, jax.core.Tracer)
+        else np.full(1, x, np.int32)
+        for x in scalars
+    ]
+    return lax.concatenate(parts, 0)
+
+
+def _reduced(checks: list[tuple]) -> list[tuple]:
+    """`(count, least key, *value words)` of each of `checks`, on shares of one
+    shape: how many elements failed, the least key among them (the position, or
+    with `kinds` the position and the kind: see `_locate`) and, for a check
+    without `kinds`, the words of its values where it first failed (`_encode`).
+
+    One variadic reduction counts and locates for all the checks; on shares of up
+    to `_CARRIED` elements it also carries the values' words, and on larger ones
+    a second reduction picks them where each check first failed (a reduction that
+    carries values runs several times slower than one that only counts and
+    locates)."""
+    fail = checks[0][0]
+    position = _flat_index(fail)
+    axes = tuple(range(fail.ndim))
+    carry = fail.size <= _CARRIED
+    operands, inits, sizes = [], [], []
+    for fail, values, kinds in checks:
+        key = position
+        if kinds is not None:
+            key = lax.add(lax.mul(position, np.int32(len(kinds[1]))), kinds[0])
+        words = _encode(values) if carry and kinds is None else []
+        sizes.append(len(words))
+        operands += [
+            lax.convert_element_type(fail, jnp.int32),
+            lax.select(fail, key, lax.full_like(key, _BIG)),
+            *words,
+        ]
+        inits += [np.int32(0), np.int32(_BIG)] + [np.int32(0)] * len(words)
+
+    def combine(a, b):
+        out, at = [], 0
+        for size in sizes:
+            out += [lax.add(a[at], b[at]), lax.min(a[at + 1], b[at + 1])]
+            if size:
+                take = lax.le(a[at + 1], b[at + 1])
+                out += [
+                    lax.select(take, a[k], b[k]) for k in range(at + 2, at + 2 + size)
+                ]
+            at += 2 + size
+        return tuple(out)
+
+    reduced = lax.reduce(tuple(operands), tuple(inits), combine, axes)
+    out, at = [], 0
+    for size in sizes:
+        out.append(list(reduced[at : at + 2 + size]))
+        at += 2 + size
+    if carry:
+        return out
+    # The values' words where each check first failed, in one more reduction.
+    hot, rows = [], []
+    for k, (fail, values, kinds) in enumerate(checks):
+        if kinds is not None or not values:
+            continue
+        first = lax.min(out[k][1], np.int32(fail.size - 1))  # one if none failed
+        here = lax.eq(position, lax.broadcast(first, fail.shape))
+        for word in _encode(values):
+            hot.append(lax.select(here, word, lax.full_like(word, 0)))
+            rows.append(k)
+    if hot:
+
+        def add(a, b):
+            return tuple(lax.add(x, y) for x, y in zip(a, b))
+
+        zeros = (np.int32(0),) * len(hot)
+        for k, word in zip(rows, lax.reduce(tuple(hot), zeros, add, axes)):
+            out[k].append(word)
+    return out
 
 
 def _in_whole(count, first, blocks: list[tuple], mesh) -> tuple[Any, Any]:
     """`(count, first)` of each item (int32 vectors, over this device's share of
     its block) as they count in the whole array: `first`, a row-major position in
-    the block, becomes one in the whole array (`_BIG` where nothing failed), and a
+    the share, becomes one in the whole array (`_BIG` where nothing failed), and a
     block repeated on other devices counts once, on the first of them. `blocks`
     holds, per item, `(block shape, spec, whether the share is a slice)`.
 
     All in a few vector operations: per device and item, where its block starts in
-    the whole array (and whether it counts) is a constant of a table, and the rest
-    is arithmetic on the block's shape."""
+    the whole array (and whether it counts), and where its share starts in the
+    block, are constants of a table, and the rest is arithmetic on the block's
+    shape."""
     names = mesh.axis_names
     grid = np.indices([mesh.shape[a] for a in names]).reshape(len(names), -1)
     place = dict(zip(names, grid))  # each device's coordinate along each axis
@@ -248,6 +384,7 @@ def _in_whole(count, first, blocks: list[tuple], mesh) -> tuple[Any, Any]:
     size = np.ones((ndim, len(blocks)), np.int64)
     below, stride = np.ones_like(size), np.ones_like(size)
     base = np.zeros((grid.shape[1], len(blocks)), np.int64)  # where each block starts
+    offset = np.zeros_like(base)  # where each share starts in its block
     for i, (shape, spec, sliced) in enumerate(blocks):
         entries = tuple(spec) + (None,) * (len(shape) - len(spec))
         whole = 1  # the whole array's stride along the dimension
@@ -260,11 +397,14 @@ def _in_whole(count, first, blocks: list[tuple], mesh) -> tuple[Any, Any]:
             stride[k, i] = whole
             base[:, i] += index * shape[d] * whole
             whole *= shape[d] * parts
-        if not sliced:
-            others = [a for a in names if a not in _axes_of(spec)]
-            repeat = np.zeros(grid.shape[1], np.int64)
-            for a in others:
-                repeat = repeat * mesh.shape[a] + place[a]
+        # The device's index among those holding the same block (`_share`).
+        others = [a for a in names if a not in _axes_of(spec)]
+        repeat = np.zeros(grid.shape[1], np.int64)
+        for a in others:
+            repeat = repeat * mesh.shape[a] + place[a]
+        if sliced:  # its share starts there in the block
+            offset[:, i] = repeat * (np.prod(shape) // (repeat.max() + 1))
+        else:
             base[repeat > 0, i] = -1  # a copy: counts nothing
 
     def constant(x):
@@ -276,18 +416,25 @@ def _in_whole(count, first, blocks: list[tuple], mesh) -> tuple[Any, Any]:
     device = _linear_index([(a, mesh.shape[a]) for a in names])
     # A table even if its columns are alike: indexing a vector to a scalar start
     # made XLA's CPU compiler fail on some programs (jax 0.12).
-    table = jnp.asarray(base.astype(np.int32))
-    start = lax.dynamic_index_in_dim(table, device, keepdims=False)
+    n = len(blocks)
+    sliced = offset.any()
+    table = np.concatenate([base, offset] if sliced else [base], 1).astype(np.int32)
+    row = lax.dynamic_slice(
+        table, (device, np.int32(0)), (1, table.shape[1]), allow_negative_indices=False
+    )
+    start = lax.reshape(lax.slice(row, (0, 0), (1, n)), (n,))
+    if sliced:
+        first = lax.add(first, lax.reshape(lax.slice(row, (0, n), (1, 2 * n)), (n,)))
     position = start
     for k in range(ndim):
         at = lax.div(first, constant(below[k]))
         coordinate = lax.rem(at, constant(size[k]))
-        position = position + coordinate * constant(stride[k])
-    counted = start >= 0
-    failed = counted & (count > 0)
+        position = lax.add(position, lax.mul(coordinate, constant(stride[k])))
+    counted = lax.ge(start, np.int32(0))
+    failed = lax.bitwise_and(counted, lax.gt(count, np.int32(0)))
     return (
-        lax.select(counted, count, jnp.zeros_like(count)),
-        lax.select(failed, position, jnp.full_like(position, _BIG)),
+        lax.select(counted, count, lax.full_like(count, 0)),
+        lax.select(failed, position, lax.full_like(position, _BIG)),
     )
 
 
@@ -308,25 +455,50 @@ def _across_devices(count, first, words, axes) -> Any:
     at most `_GATHERED` words. Else one device's worth at a time in two rounds: the
     counts and the least first elements, then the values from the device holding
     it."""
-    n = count.shape[0]
+    n, width = words.shape
     devices = int(np.prod([size for _, size in axes]))
-    row = jnp.concatenate([count, first, words.reshape(-1)])
-    if devices * row.size <= _GATHERED:
-        places = lax.broadcasted_iota(jnp.int32, (devices, 1), 0)
-        mine = jnp.where(places == _linear_index(axes), row, 0)
+    zero = np.int32(0)
+
+    def total(x, axis: int):
+        return lax.reduce(x, zero, lax.add, (axis,))
+
+    def column(x):
+        return lax.reshape(x, (n, 1))
+
+    if width:  # the words of a device that found nothing: 0
+        found = lax.broadcast_in_dim(lax.lt(first, np.int32(_BIG)), words.shape, (0,))
+        words = lax.select(found, words, lax.full_like(words, 0))
+    if devices * n * (2 + width) <= _GATHERED:
+        row = lax.concatenate([column(count), column(first), words], 1)
+        places = lax.broadcasted_iota(jnp.int32, (devices, n, 2 + width), 0)
+        mine = lax.eq(places, lax.broadcast(_linear_index(axes), places.shape))
+        mine = lax.select(
+            mine, lax.broadcast(row, (devices,)), lax.full_like(places, 0)
+        )
         rows = _all_reduce(mine, axes, lax.psum)
-        counts = jnp.sum(rows[:, :n], axis=0)
-        firsts = rows[:, n : 2 * n]
-        least = jnp.min(firsts, axis=0)
-        holds = (firsts == least) & (least < _BIG)
-        words = rows[:, 2 * n :].reshape(devices, n, -1)
-        values = jnp.sum(jnp.where(holds[:, :, None], words, 0), axis=0)
-    else:
-        counts = _all_reduce(count, axes, lax.psum)
-        least = _all_reduce(first, axes, lax.pmin)
-        holds = (first == least) & (least < _BIG)
-        values = _all_reduce(jnp.where(holds[:, None], words, 0), axes, lax.psum)
-    return jnp.concatenate([counts[:, None], least[:, None], values], axis=1)
+        # Per item, in one reduction over the devices: the counts summed, the
+        # least first element and the words of the device that found it (of
+        # one that found nothing, 0, if none did).
+        parts = [
+            lax.reshape(lax.slice_in_dim(rows, c, c + 1, axis=2), (devices, n))
+            for c in range(2 + width)
+        ]
+
+        def combine(a, b):
+            take = lax.le(a[1], b[1])
+            words = (lax.select(take, x, y) for x, y in zip(a[2:], b[2:]))
+            return (lax.add(a[0], b[0]), lax.min(a[1], b[1]), *words)
+
+        inits = (np.int32(0), np.int32(_BIG)) + (np.int32(0),) * width
+        reduced = lax.reduce(tuple(parts), inits, combine, (0,))
+        return lax.concatenate([column(x) for x in reduced], 1)
+    counts = _all_reduce(count, axes, lax.psum)
+    least = _all_reduce(first, axes, lax.pmin)
+    holds = lax.bitwise_and(lax.eq(first, least), lax.lt(least, np.int32(_BIG)))
+    holds = lax.broadcast_in_dim(holds, words.shape, (0,))
+    values = lax.select(holds, words, lax.full_like(words, 0))
+    values = _all_reduce(values, axes, lax.psum)
+    return lax.concatenate([column(counts), column(least), values], 1)
 
 
 def _split_mesh(operands: list) -> Any:
@@ -390,15 +562,20 @@ def _on_blocks(
     return op(*operands)
 
 
-def _share(block, spec, axes, start: bool = False):
-    """This device's share of `block`: a slice of it when the devices along the mesh
-    axes `spec` does not use hold the same block. With `start`, `(share, where it
-    starts in the block, row-major)`."""
+def _share(block, spec, axes):
+    """This device's share of `block`: a slice of it (flattened) when the devices
+    along the mesh axes `spec` does not use hold the same block, the `index`-th of
+    as many slices as there are such devices (`index`, this device's row-major
+    index along those axes: `_in_whole` knows the same)."""
     used = _axes_of(spec)
     others = [(a, n) for a, n in axes if a not in used]
     copies = int(np.prod([n for _, n in others]))
     if copies == 1 or block.size % copies:
-        return (block, jnp.zeros((), jnp.int32)) if start else block
+        return block
     index = _linear_index(others)
-    share = lax.dynamic_index_in_dim(block.reshape(copies, -1), index, keepdims=False)
-    return (share, index * share.size) if start else share
+    size = block.size // copies
+    rows = lax.reshape(block, (copies, size))
+    share = lax.dynamic_slice(
+        rows, (index, np.int32(0)), (1, size), allow_negative_indices=False
+    )
+    return lax.reshape(share, (size,))

@@ -142,13 +142,18 @@ def _stacked(rows: list, fused: int = 8) -> Any:
     concatenated at once, and a kernel costs milliseconds to compile. Rows of
     arrays go four at a time: jax 0.12's XLA compiles a kernel making eight such
     rows in more time than two making four each."""
+
+    def stack(rows):  # `jnp.stack` in `lax`: see `_locate`
+        return lax.concatenate([lax.broadcast(r, (1,)) for r in rows], 0)
+
     if len(rows) <= fused:
-        return jnp.stack(rows)
-    return jnp.concatenate(
+        return stack(rows)
+    return lax.concatenate(
         [
-            lax.optimization_barrier(jnp.stack(rows[i : i + fused]))
+            lax.optimization_barrier(stack(rows[i : i + fused]))
             for i in range(0, len(rows), fused)
-        ]
+        ],
+        0,
     )
 
 
@@ -176,12 +181,16 @@ def _selected(rows: list[list]) -> Any:
                 fixed[i, j] = np.asarray(v)
     if not traced:
         return fixed
-    rows_at = lax.broadcasted_iota(jnp.int32, shape, 0)
-    columns_at = lax.broadcasted_iota(jnp.int32, shape, 1)
-    out = jnp.asarray(fixed)
+    # In `lax`: see `_locate`.
+    at = lax.add(
+        lax.mul(lax.broadcasted_iota(jnp.int32, shape, 0), np.int32(shape[1])),
+        lax.broadcasted_iota(jnp.int32, shape, 1),
+    )
+    out = fixed
     for i, j, v in traced:
-        here = (rows_at == i) & (columns_at == j)
-        out = jnp.where(here, jnp.asarray(v, jnp.int32), out)
+        here = lax.eq(at, np.int32(i * shape[1] + j))
+        v = lax.broadcast(lax.convert_element_type(v, jnp.int32), shape)
+        out = lax.select(here, v, out)
     return out
 
 
@@ -214,10 +223,11 @@ def _by_layout(arrays: list) -> list[list[int]]:
 
 def _linear_index(axes: list[tuple[str, int]]) -> Any:
     """This device's row-major index along the mesh axes `axes` (name, size)."""
-    index = jnp.zeros((), jnp.int32)
+    index = None
     for a, n in axes:
-        index = index * n + lax.axis_index(a)
-    return index
+        i = lax.axis_index(a)
+        index = i if index is None else lax.add(lax.mul(index, np.int32(n)), i)
+    return jnp.zeros((), jnp.int32) if index is None else index
 
 
 def _axes_of(spec) -> set[str]:
@@ -329,7 +339,9 @@ def _locate(checks: list[tuple]) -> list[tuple]:
             at = lax.div(at, np.int32(n))
 
         def read(x, coordinates=coordinates):
-            return lax.dynamic_slice(x, coordinates, (1,) * x.ndim).reshape(())
+            one = (1,) * x.ndim
+            at = lax.dynamic_slice(x, coordinates, one, allow_negative_indices=False)
+            return lax.reshape(at, ())
 
         out.append((count, first, *(read(v) if jnp.shape(v) else v for v in values)))
     return out
@@ -342,8 +354,8 @@ def _count_least(fails: list, keys: list, axes: tuple) -> list[tuple]:
     n = len(fails)
 
     def combine(a, b):
-        counts = [x + y for x, y in zip(a[:n], b[:n])]
-        return (*counts, *(jnp.minimum(x, y) for x, y in zip(a[n:], b[n:])))
+        counts = [lax.add(x, y) for x, y in zip(a[:n], b[:n])]
+        return (*counts, *(lax.min(x, y) for x, y in zip(a[n:], b[n:])))
 
     reduced = lax.reduce(
         (
@@ -363,10 +375,10 @@ def _count_least(fails: list, keys: list, axes: tuple) -> list[tuple]:
 def _select(index, table: tuple, dtype) -> Any:
     """`table[index]` as `dtype`, elementwise (a gather would need the shardings of
     a vmapped `index` spelled out)."""
-    out = jnp.full(jnp.shape(index), table[-1], dtype)
+    out = np.full(jnp.shape(index), table[-1], dtype)
     for i, value in enumerate(table[:-1]):
-        here = index == np.int32(i)
-        out = lax.select(here, jnp.full(jnp.shape(index), value, dtype), out)
+        here = lax.eq(index, np.int32(i))
+        out = lax.select(here, np.full(jnp.shape(index), value, dtype), out)
     return out
 
 
@@ -410,8 +422,10 @@ def _flat_index(like):
     flat = None
     stride = 1
     for d in reversed(range(len(shape))):
-        term = lax.broadcasted_iota(jnp.int32, shape, d, **kwargs) * stride
-        flat = term if flat is None else flat + term
+        term = lax.broadcasted_iota(jnp.int32, shape, d, **kwargs)
+        if stride != 1:
+            term = lax.mul(term, np.int32(stride))
+        flat = term if flat is None else lax.add(flat, term)
         stride *= shape[d]
     return flat
 
