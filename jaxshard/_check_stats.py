@@ -181,14 +181,14 @@ def _selected(rows: list[list]) -> Any:
                 fixed[i, j] = np.asarray(v)
     if not traced:
         return fixed
-    # In `lax`: see `_locate`.
-    at = lax.add(
-        lax.mul(lax.broadcasted_iota(jnp.int32, shape, 0), np.int32(shape[1])),
-        lax.broadcasted_iota(jnp.int32, shape, 1),
-    )
+    # In `lax`: see `_locate`. (Comparing one flat position per element instead
+    # compiled slower.)
+    rows_at = lax.broadcasted_iota(jnp.int32, shape, 0)
+    columns_at = lax.broadcasted_iota(jnp.int32, shape, 1)
     out = fixed
     for i, j, v in traced:
-        here = lax.eq(at, np.int32(i * shape[1] + j))
+        here = lax.eq(rows_at, np.int32(i))
+        here = lax.bitwise_and(here, lax.eq(columns_at, np.int32(j)))
         v = lax.broadcast(lax.convert_element_type(v, jnp.int32), shape)
         out = lax.select(here, v, out)
     return out
