@@ -453,10 +453,6 @@ def _across_devices(count, first, words, axes) -> Any:
     first elements, then the values from the device holding it."""
     n, width = words.shape
     devices = int(np.prod([size for _, size in axes]))
-    zero = np.int32(0)
-
-    def total(x, axis: int):
-        return lax.reduce(x, zero, lax.add, (axis,))
 
     def column(x):
         return lax.reshape(x, (n, 1))
