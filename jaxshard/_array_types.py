@@ -68,7 +68,7 @@ class _MetaShardedArray(ArrayMeta):
                 reason = f"{plain.rstrip('.')}; {reason}"
         if reason:
             restore_dim_memo(snapshot)
-            _decorator.note_failure(obj, reason)
+            _decorator.note_failure(obj, reason, annotation=cls)
         return reason
 
     def _check_shape(cls, obj, single_memo, variadic_memo, arg_memo) -> str:
@@ -89,7 +89,7 @@ class _MetaShardedArray(ArrayMeta):
                 f"local shape {tuple(obj.shape)} is a global shape of {shape} under "
                 f"{format_spec(cls.spec)}; the annotation describes the global array)"
             )
-            _decorator.note_failure(obj, reason, sharding=False)
+            _decorator.note_failure(obj, reason, sharding=False, annotation=cls)
         return reason
 
     def __repr__(cls) -> str:
@@ -221,13 +221,42 @@ class _MetaShardedDtype(_MetaAbstractDtype):
         # rebuilds an annotation from its `.dtype`, gives jaxshard's back.
         if isinstance(item, tuple) and len(item) == 3:
             array_type, dim_str, spec = item
-            return with_spec(super().__getitem__((array_type, dim_str)), spec)
+            plain = super().__getitem__((array_type, dim_str))
+            return with_spec(_made(plain, dim_str), spec)
         if isinstance(item, tuple) and len(item) == 2 and "[" in str(item[1]):
             # The compact syntax, `Float[Array, "[batch/dp] d"]`: a static type too.
             array_type, text = item
             dims, spec = parse_compact(text)
-            return with_spec(super().__getitem__((array_type, dims)), spec)
-        return super().__getitem__(item)
+            return with_spec(_made(super().__getitem__((array_type, dims)), text), spec)
+        out = super().__getitem__(item)
+        return _made(out, item[1]) if isinstance(item, tuple) and len(item) == 2 else out
+
+
+def _made(annotation: Any, shown: Any) -> Any:
+    """`annotation`, once each symbolic dimension of its shape (`batch-1`) is known
+    to be a Python expression: jaxtyping would find out only when it evaluates it,
+    at a call. `shown` is the shape string as the user wrote it."""
+    for member in get_args(annotation) or (annotation,):
+        if isinstance(member, type) and issubclass(member, jaxtyping.AbstractArray):
+            for dim in _dims.dimensions(member):
+                if dim.kind == "symbolic":
+                    _expression(dim.name, str(shown))
+    return annotation
+
+
+@ft.lru_cache(maxsize=1024)
+def _expression(text: str, dim_str: str) -> None:
+    try:
+        compile(f"f'{text}'", "<dimension>", "eval")  # jaxtyping's f-string pass
+        if "{" not in text:
+            compile(text, "<dimension>", "eval")
+    except SyntaxError as e:
+        raise AnnotationError(
+            f"Cannot parse the shape {dim_str!r}: {text!r} is neither a dimension "
+            "name, a size nor a Python expression of them "
+            f"({e.msg}). Dimensions are separated by spaces, e.g. 'batch d', "
+            "'batch-1 2*d'."
+        ) from None
 
 
 def _sharded_dtype(plain) -> Any:

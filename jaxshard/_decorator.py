@@ -24,14 +24,17 @@ class _Notes(threading.local):
 _notes = _Notes()
 
 
-def note_failure(obj: Any, reason: str, sharding: bool = True) -> None:
-    """Records why a check failed, for the enclosing `jaxshard.jaxtyped` call's error
-    message: a sharding check, or (`sharding=False`) the shape check of a `shard_map`
-    block. Costs nothing when no such call is active."""
+def note_failure(
+    obj: Any, reason: str, sharding: bool = True, annotation: Any = None
+) -> None:
+    """Records why a check of `obj` (against `annotation`) failed, for the enclosing
+    `jaxshard.jaxtyped` call's error message: a sharding check, or
+    (`sharding=False`) the shape check of a `shard_map` block. Costs nothing when no
+    such call is active."""
     if _notes.frames:
         from ._sharding import where
 
-        function, name = where(obj)
+        function, name = where(obj, annotation)
         _notes.frames[-1].append((function, name, reason, sharding))
 
 
@@ -79,10 +82,19 @@ def _is_typechecked(fn: Any) -> bool:
     return "typeguard" in filename.replace("\\", "/").split("/")
 
 
+def _is_unannotated(fn: Any) -> bool:
+    """Whether the function `fn` has no annotations: a typechecker, given one, has
+    nothing to check and returns it as it is."""
+    target = inspect.unwrap(fn)
+    return inspect.isroutine(target) and not getattr(target, "__annotations__", None)
+
+
 def _jaxtyping_jaxtyped(fn: Any, typechecker: Any) -> Any:
     if typechecker is _sentinel:
-        if _is_typechecked(fn):
-            return jaxtyping.jaxtyped(fn)  # the old syntax: as jaxtyping has it
+        if _is_typechecked(fn) or _is_unannotated(fn):
+            # The old syntax (`@jaxtyped @beartype`), or nothing a typechecker would
+            # check: as jaxtyping has it, warning as it does.
+            return jaxtyping.jaxtyped(fn)
         import beartype
 
         typechecker = beartype.beartype

@@ -38,6 +38,7 @@ Internals still used, and why (none has a public equivalent in these releases):
   metaclass's `__instancecheck_str__`/`_check_shape`, which jaxshard's extends.
 """
 
+import functools as ft
 import re
 import sys
 import threading
@@ -45,7 +46,7 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jaxtyping
@@ -98,20 +99,35 @@ _warn_if_untested(jax.__version__)
 
 probe_p = Primitive("jaxshard_sharding_probe")
 probe_p.multiple_results = True
+# The same probe, on a value whose mesh was known when it was traced (`jax.set_mesh`):
+# its lowering needs no device assignment from JAX. A primitive that does (as
+# `probe_p`, which builds the mesh from it, like inspect_sharding) makes JAX refuse a
+# program whose inputs sit on meshes that differ in their axis types only ("mesh
+# should be the same across the entire program"), such as torchax's PRNG key, left on
+# an Explicit mesh by an earlier call, beside arrays on an Auto one.
+mesh_probe_p = Primitive("jaxshard_sharding_probe_on_mesh")
+mesh_probe_p.multiple_results = True
 
 
-def bind_probe(value, callback: Callable[[Any, tuple[int, ...], int], None]) -> None:
+def bind_probe(
+    value, callback: Callable[[Any, tuple[int, ...], int], None], mesh: Any = None
+) -> None:
     """Calls `callback(sharding, batch_dims, lowered_on)` with the sharding XLA gives
     `value`, when the program is compiled (on an XLA thread).
 
     `batch_dims` are the positions of `vmap`-added dimensions in that sharding, which
     are not part of the annotation; `lowered_on` is the id of the thread that lowered
-    the program.
+    the program. `mesh` is the concrete mesh in context at trace time, if any: the
+    sharding is read against it.
     """
-    probe_p.bind(value, callback=callback, batch_dims=())
+    if mesh is None:
+        probe_p.bind(value, callback=callback, batch_dims=())
+    else:
+        mesh_probe_p.bind(value, callback=callback, batch_dims=(), mesh=mesh)
 
 
-def _probe_impl(value, *, callback, batch_dims):
+def _probe_impl(value, *, callback, batch_dims, **params):
+    del params
     callback(value.sharding, batch_dims, threading.get_ident())
     return []
 
@@ -134,27 +150,38 @@ else:
         return [True] * len(eqn.invars), eqn
 
 
-def _probe_batch(args, dims, *, callback, batch_dims):
+def _probe_batch(prim, args, dims, *, batch_dims, **params):
     (value,), (dim,) = args, dims
     if dim is not None:  # batching.not_mapped
         batch_dims = (dim,) + tuple(d + (d >= dim) for d in batch_dims)
-    probe_p.bind(value, callback=callback, batch_dims=batch_dims)
+    prim.bind(value, batch_dims=batch_dims, **params)
     return [], []
 
 
-def _probe_jvp(primals, tangents, **params):
+def _probe_jvp(prim, primals, tangents, **params):
     del tangents
-    return probe_p.bind(*primals, **params), []
+    return prim.bind(*primals, **params), []
 
 
 # A cache hit in JAX's persistent compilation cache would skip the partitioner, and so
 # the check. The custom call carries its callback's address, which can repeat (in
 # another process, or after `jax.clear_caches()`), so each lowering also gets a nonce
 # of its own: a checked program's cache key never repeats, and it is always checked.
-def _probe_lowering(ctx, value, *, callback, batch_dims):
-    from jax._src import debugging
+def _probe_lowering(ctx, value, *, callback, batch_dims, mesh=None):
+    from jax._src import debugging, sharding_impls
 
     thread = threading.get_ident()
+    context = ctx.module_context.axis_context
+    if mesh is not None and isinstance(context, sharding_impls.ShardingContext):
+        if context.num_devices != mesh.size:  # e.g. compiled for one device
+            callback(jax.sharding.SingleDeviceSharding(mesh.devices.flat[0]), (), thread)
+            return []
+        # What inspect_sharding's rule reads: the devices and the mesh's shape.
+        devices = tuple(mesh.devices.flat)
+        context = sharding_impls.ShardingContext(
+            len(devices), devices, mesh.abstract_mesh
+        )
+        ctx = ctx.replace(module_context=ctx.module_context.replace(axis_context=context))
     out = debugging._inspect_sharding_lowering_rule(
         ctx, value, callback=lambda sharding: callback(sharding, batch_dims, thread)
     )
@@ -166,20 +193,45 @@ def _probe_lowering(ctx, value, *, callback, batch_dims):
     return out
 
 
-def _register_probe():
+# Partial evaluation (`grad` of a `scan` or `fori_loop` body, `linearize`, `vjp`,
+# remat's policies) re-traces a jaxpr with `pe.JaxprTrace`, which keeps an equation
+# only if an output it returns is used or it has an effect: a probe on a value not
+# known until run time, which returns nothing and has no effect, would be dropped, and
+# its check with it. This rule stages the probe where its value is, and keeps it the
+# way JaxprTrace keeps an effectful equation (an `EffectHandle` among the trace's
+# roots), without giving the program an effect. The same on jax 0.10.2 to 0.12.0.1.
+def _probe_partial_eval(prim, trace, tracer, **params):
+    from jax._src import core as core_internal, source_info_util
+    from jax._src.interpreters import partial_eval as pe_internal
+
+    if tracer.pval.is_known():  # bound where the value is known (the trace above)
+        return prim.bind(tracer.pval.get_known(), **params)
+    tracer = trace.instantiate_const(tracer)
+    names = trace._current_truncated_name_stack()
+    source = source_info_util.current().replace(name_stack=names)
+    eqn = pe_internal.new_eqn_recipe(
+        trace, [tracer], [], prim, params, core_internal.no_effects, source
+    )
+    trace.effect_handles.append(pe_internal.EffectHandle([tracer], eqn))
+    return []
+
+
+def _register_probes():
     from jax._src import dispatch
 
     # Like inspect_sharding: lowering needs the device assignment to build the mesh.
     dispatch.prim_requires_devices_during_lowering.add(probe_p)
+    for prim in (probe_p, mesh_probe_p):
+        prim.def_impl(_probe_impl)
+        prim.def_abstract_eval(_probe_abstract_eval)
+        pe.dce_rules[prim] = _probe_dce
+        pe.custom_partial_eval_rules[prim] = ft.partial(_probe_partial_eval, prim)
+        batching.primitive_batchers[prim] = ft.partial(_probe_batch, prim)
+        ad.primitive_jvps[prim] = ft.partial(_probe_jvp, prim)
+        mlir.register_lowering(prim, _probe_lowering)
 
 
-_register_probe()
-probe_p.def_impl(_probe_impl)
-probe_p.def_abstract_eval(_probe_abstract_eval)
-pe.dce_rules[probe_p] = _probe_dce
-batching.primitive_batchers[probe_p] = _probe_batch
-ad.primitive_jvps[probe_p] = _probe_jvp
-mlir.register_lowering(probe_p, _probe_lowering)
+_register_probes()
 
 
 def is_batched(x: Any) -> bool:
@@ -203,9 +255,12 @@ def is_batched(x: Any) -> bool:
 
 def context_mesh() -> jax.sharding.Mesh | None:
     """The concrete mesh set by `jax.set_mesh` (or the legacy `with mesh:`), or
-    `None` when there is none."""
-    mesh = jax.sharding.get_mesh()
-    if not mesh.empty:
+    `None` when there is none; inside `jit` too, where the public
+    `jax.sharding.get_mesh` refuses to answer (`jax._src.mesh.get_concrete_mesh`,
+    the same on jax 0.10.2 to 0.12.0.1, but for returning `None` on 0.12 where
+    earlier releases return an empty mesh)."""
+    mesh = _mesh_lib.get_concrete_mesh()
+    if mesh is not None and not mesh.empty:
         return mesh
     # The legacy `with mesh:` is visible only here (jax 0.10.2 to 0.12.0.1).
     mesh = _mesh_lib.thread_resources.env.physical_mesh
@@ -246,17 +301,43 @@ def function_name(fn: Any) -> FunctionName:
     return out
 
 
-def checked_call() -> tuple[str, dict[str, Any], Any] | None:
-    """Which `jaxtyped` function is being checked in this thread, if any.
+class CheckedCall(NamedTuple):
+    """A `jaxtyped` call being checked: its function, its bound arguments, the
+    annotations of its parameters and (under "return") of its return value, and
+    whether its body has returned (`out`), so that its return value is being
+    checked."""
 
-    Returns `(qualified name, bound arguments, return value or None)` of the innermost
-    `jaxtyping.jaxtyped` call on the stack. Found by looking for jaxtyping's wrapper
-    frame, so it serves jaxtyping's own `jaxtyped`, jaxshard's and the import hook.
+    function: FunctionName
+    arguments: dict[str, Any]
+    hints: dict[str, Any]
+    returned: bool
+    out: Any
+
+
+def checked_call() -> CheckedCall | None:
+    """Which `jaxtyped` function is being checked in this thread, if any: the
+    innermost `jaxtyping.jaxtyped` call on the stack.
+
+    Found by looking for jaxtyping's wrapper frame (`wrapped_fn_impl`, whose locals
+    hold `bound`, `param_signature`, `full_signature` and, once the body returned,
+    `out`: jaxtyping 0.3.11), so it serves jaxtyping's own `jaxtyped`, jaxshard's and
+    the import hook.
     """
     for local in _wrapper_frames():
         bound = local.get("bound")
         arguments = dict(bound.arguments) if bound is not None else {}
-        return function_name(local.get("fn")), arguments, local.get("out")
+        hints = {}
+        signature = local.get("full_signature") or local.get("param_signature")
+        if signature is not None:
+            hints = {n: p.annotation for n, p in signature.parameters.items()}
+            hints["return"] = signature.return_annotation
+        return CheckedCall(
+            function_name(local.get("fn")),
+            arguments,
+            hints,
+            "out" in local,
+            local.get("out"),
+        )
     return None
 
 

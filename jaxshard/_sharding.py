@@ -13,6 +13,7 @@ import functools as ft
 import itertools
 import math
 import threading
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,7 +30,7 @@ from ._jax_internals import (
     context_mesh,
     is_batched,
 )
-from ._spec import axes_of, fill_unconstrained, format_spec, sharded_type
+from ._spec import axes_of, fill_unconstrained, format_spec, sharded_type, splits
 
 
 # --- descriptions -------------------------------------------------------------------
@@ -98,27 +99,61 @@ def subject(function: Any, name: str | None) -> str:
     return f"{function}, parameter {name!r}"
 
 
-def where(obj: Any) -> tuple[str | None, str | None]:
-    """`(function, parameter)` naming the value being checked, for error messages;
-    `(None, None)` outside any `jaxtyped` function."""
+def where(obj: Any, annotation: Any = None) -> tuple[str | None, str | None]:
+    """`(function, parameter)` naming the value being checked against `annotation`,
+    for error messages; `(None, None)` outside any `jaxtyped` function.
+
+    The value is found by identity among the call's parameters and, once the body
+    has returned, first in its return value; where the same value was passed twice
+    (or returned as it came in), the place whose annotation is `annotation` is the one
+    being checked."""
     if _naming.current is not None:
         return _naming.current
     call = checked_call()
     if call is None:
         return None, None
-    function, arguments, out = call
-    for name, value in arguments.items():
+    places = list(call.arguments.items())
+    if call.returned:
+        places.insert(0, ("return", call.out))
+    found = []
+    for name, value in places:
         if value is obj:
-            return function, name
-    for name, value in [*arguments.items(), ("return", out)]:
+            found.append(name)
+            continue
         try:
             leaves = jax.tree_util.tree_flatten_with_path(value)[0]
         except Exception:
             continue
-        for path, leaf in leaves:
-            if leaf is obj:
-                return function, name + jax.tree_util.keystr(path)
-    return function, "<a value checked inside the function>"
+        found += [name + jax.tree_util.keystr(p) for p, leaf in leaves if leaf is obj]
+    if not found:
+        return call.function, "<a value checked inside the function>"
+    if annotation is not None and len(found) > 1:
+        for name in found:
+            hint = call.hints.get(name.split("[", 1)[0].split(".", 1)[0])
+            if _mentions(hint, annotation):
+                return call.function, name
+    return call.function, found[0]
+
+
+def _mentions(hint: Any, annotation: Any, depth: int = 0) -> bool:
+    """Whether the type `hint` is `annotation` or has it inside (a union member, a
+    tuple's element, a `PyTree`'s leaf type, a NamedTuple's or dataclass's field)."""
+    if hint is annotation:
+        return True
+    if depth > 8 or hint is None:
+        return False
+    inner = list(typing.get_args(hint))
+    leaf = getattr(hint, "leaftype", None)
+    if leaf is not None:
+        inner.append(leaf)
+    if isinstance(hint, type) and (
+        dataclasses.is_dataclass(hint) or hasattr(hint, "_fields")
+    ):
+        try:
+            inner += typing.get_type_hints(hint, include_extras=True).values()
+        except Exception:
+            pass
+    return any(_mentions(h, annotation, depth + 1) for h in inner)
 
 
 # --- comparing shardings ------------------------------------------------------------
@@ -135,6 +170,17 @@ def _missing_axes(spec: PartitionSpec, mesh) -> str:
     )
 
 
+def _invalid(spec: PartitionSpec, mesh, ndim: int) -> str:
+    """Why `spec` cannot describe an array of `ndim` dimensions on `mesh`; ""."""
+    reason = _missing_axes(spec, mesh)
+    if not reason and len(spec) > ndim:
+        reason = (
+            f"the annotation's spec {format_spec(spec)} has {len(spec)} entries but "
+            f"the array has {ndim} dimensions"
+        )
+    return reason
+
+
 @ft.lru_cache(maxsize=4096)
 def compare(spec: PartitionSpec, actual, shape: tuple, dtype, mesh=None) -> str:
     """How `actual` differs from `NamedSharding(mesh, spec)` for an array of `shape`
@@ -144,19 +190,13 @@ def compare(spec: PartitionSpec, actual, shape: tuple, dtype, mesh=None) -> str:
     ndim = len(shape)
     if mesh is None:
         mesh = actual.mesh
-    reason = _missing_axes(spec, mesh)
+    reason = _invalid(spec, mesh, ndim)
     if reason:
         return reason
-    if len(spec) > ndim:
-        return (
-            f"the annotation's spec {format_spec(spec)} has {len(spec)} entries but "
-            f"the array has {ndim} dimensions"
-        )
     # Unconstrained dimensions are not checked: take the actual entry there.
     same_mesh = isinstance(actual, NamedSharding) and actual.mesh == mesh
-    expected = NamedSharding(
-        mesh, fill_unconstrained(spec, actual.spec if same_mesh else ())
-    )
+    filled = fill_unconstrained(spec, actual.spec if same_mesh else (), mesh.shape)
+    expected = NamedSharding(mesh, filled)
     if expected.is_equivalent_to(actual, ndim):
         return ""
     found = describe_sharding(actual, ndim)
@@ -218,12 +258,57 @@ def check(annotation, obj: Any, value: Any) -> str:
                 f"the annotation's spec {format_spec(spec)} against. Run the code "
                 "inside `with jax.set_mesh(mesh):`."
             )
+        if len(sharding.device_set) == 1 and not obj.committed:
+            # Made by `jnp` without `device_put`: JAX moves such an array to where
+            # it is used, so only a spec that splits a dimension is a mistake.
+            reason = _invalid(spec, mesh, len(obj.shape))
+            if reason:
+                array = describe_array(obj.dtype, obj.shape)
+                return _with_rules(_phrase(array, reason), annotation)
+            if not splits(spec, mesh.shape):
+                return ""
+            return _with_rules(_uncommitted(obj, spec, mesh), annotation)
     reason = compare(spec, sharding, obj.shape, obj.dtype, mesh)
     if not reason:
         return ""
     return _with_rules(
         _phrase(describe_array(obj.dtype, obj.shape), reason), annotation
     )
+
+
+def _uncommitted(obj: Any, spec: PartitionSpec, mesh) -> str:
+    return (
+        f"this array ({describe_array(obj.dtype, obj.shape)}) is on one device, "
+        "uncommitted (made without `jax.device_put`), but the annotation expects "
+        f"{format_spec(spec)} ({sharded_type(obj.dtype, obj.shape, spec)}), on mesh "
+        f"{describe_mesh(mesh)}. Place it as the annotation says: "
+        f"`jax.device_put(x, NamedSharding(mesh, {format_spec(spec)}))`."
+    )
+
+
+def is_explicit(obj: Any) -> bool:
+    """Whether `obj` is an array or tracer on a mesh whose axes are all Explicit,
+    whose layout is part of its type."""
+    if not isinstance(obj, jax.Array):
+        return False
+    mesh = jax.typeof(obj).sharding.mesh
+    return not mesh.empty and set(mesh.axis_types) == {AxisType.Explicit}
+
+
+def explicit_mismatch(annotation: Any, obj: Any, spec: Any = None) -> str:
+    """Why `obj`, an array or tracer on a mesh whose axes are all Explicit, is not
+    laid out as `annotation` (or `spec`, in its place) says; "" if it is, or if its
+    layout is not in its type."""
+    value = _torch.jax_value(obj)
+    if not is_explicit(value):
+        return ""
+    aval = jax.typeof(value)
+    spec = annotation.spec if spec is None else spec
+    reason = compare(spec, aval.sharding, aval.shape, aval.dtype)
+    if not reason:
+        return ""
+    array = describe_array(aval.dtype, aval.shape)
+    return _with_rules(_phrase(array, reason), annotation)
 
 
 def _with_rules(reason: str, annotation: Any) -> str:
@@ -269,11 +354,14 @@ def _check_manual(spec: PartitionSpec, aval, mesh, batched: bool) -> str:
     reason = _missing_axes(spec, mesh)
     if reason:
         return _phrase(aval.str_short(), reason)
-    named = {a for entry in spec for a in axes_of(entry)}
-    mat = getattr(aval, "manual_axis_type", None)
-    varying = set(getattr(mat, "varying", ()))
-    extra = sorted(varying - named)
-    if extra and not batched:
+    if len(spec) > len(aval.shape):
+        return _phrase(
+            aval.str_short(),
+            f"the annotation's spec {format_spec(spec)} has {len(spec)} entries but "
+            f"the array has {len(aval.shape)} dimensions",
+        )
+    extra = sorted(_unexplained(spec, aval, mesh))
+    if extra and not batched and PartitionSpec.UNCONSTRAINED not in tuple(spec):
         return (
             f"this block ({aval.str_short()}) differs across the shard_map mesh "
             f"axes {', '.join(map(repr, extra))}, but the annotation's spec "
@@ -297,9 +385,23 @@ def _check_manual(spec: PartitionSpec, aval, mesh, batched: bool) -> str:
     return ""
 
 
+def _unexplained(spec: PartitionSpec, aval, mesh) -> set[str]:
+    """The manual mesh axes of more than one device that a `shard_map` block varies
+    over but `spec` does not name: a size-1 axis splits nothing."""
+    named = {a for entry in spec for a in axes_of(entry)}
+    varying = set(getattr(getattr(aval, "manual_axis_type", None), "varying", ()))
+    return {a for a in varying - named if mesh.shape[a] != 1}
+
+
 def global_shape(spec: PartitionSpec, obj: Any) -> tuple[int, ...] | None:
     """Inside `shard_map`, the global shape of which the tracer `obj` is one block;
-    else None."""
+    else None.
+
+    A dimension is the block's times the sizes of the manual axes its spec entry
+    names; the one `P.UNCONSTRAINED` dimension of a spec is also split over the
+    axes the block varies over that the spec does not name. (With several
+    unconstrained dimensions, which of them such an axis splits is not known: they
+    are taken as whole.)"""
     aval = jax.typeof(obj)
     mesh = aval.sharding.mesh
     if mesh.empty or AxisType.Manual not in mesh.axis_types:
@@ -311,6 +413,9 @@ def global_shape(spec: PartitionSpec, obj: Any) -> tuple[int, ...] | None:
     entries = list(spec)[: len(aval.shape)]
     factors = [math.prod(sizes[a] for a in axes_of(e) if a in manual) for e in entries]
     factors += [1] * (len(aval.shape) - len(factors))
+    loose = [i for i, e in enumerate(entries) if e is PartitionSpec.UNCONSTRAINED]
+    if len(loose) == 1 and not is_batched(obj):
+        factors[loose[0]] = math.prod(sizes[a] for a in _unexplained(spec, aval, mesh))
     return tuple(d * f for d, f in zip(aval.shape, factors))
 
 
@@ -410,7 +515,7 @@ _compiling: dict[int, int] = {}  # thread id -> how many compiles it has under w
 
 
 def _site(annotation, x, aval, recorder=None) -> Site:
-    function, name = where(x)
+    function, name = where(x, annotation)
     calls: tuple = ()
     for function, token in checked_calls() if _naming.current is None else ():
         # A function checked by two wrappers (decorated, and again by verify) is
@@ -438,7 +543,13 @@ def _site(annotation, x, aval, recorder=None) -> Site:
 
 def _add_probe(annotation, x, aval, named: Any) -> None:
     site = _site(annotation, named, aval, _config.current().recorder)
-    bind_probe(x, ft.partial(_on_sharding, site))
+    traced, mesh = aval.sharding.mesh, context_mesh()
+    if mesh is not None and (mesh.axis_names, mesh.axis_sizes) != (
+        traced.axis_names,
+        traced.axis_sizes,
+    ):
+        mesh = None  # the program's mesh is known only when it is lowered
+    bind_probe(x, ft.partial(_on_sharding, site), mesh)
 
 
 def _strip(sharding, batch_dims: tuple[int, ...], ndim: int):
@@ -496,9 +607,8 @@ _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 def take_violations(thread: int | None = None) -> list[Violation]:
     """Removes and returns the violations recorded for programs compiled by `thread`
-    (default: this one) or by threads that have ended."""
-    if not _pending:
-        return []
+    (default: this one) or by threads that have ended, and forgets every check those
+    programs made."""
     thread = threading.get_ident() if thread is None else thread
     alive = {t.ident for t in threading.enumerate()}
     with _lock:
@@ -507,7 +617,7 @@ def take_violations(thread: int | None = None) -> list[Violation]:
         sites = []
         for t in [t for t in _checked if t == thread or t not in alive]:
             sites += _checked.pop(t)
-    return in_program_order(mine, sites)
+    return in_program_order(mine, sites) if mine else []
 
 
 def in_program_order(violations: list[Violation], sites: list[Site]) -> list:
@@ -544,19 +654,20 @@ def _on_compile_start(event: str, start: float, **kwargs) -> None:
 
 def _on_compile(event: str, duration: float, **kwargs) -> None:
     # JAX reports each backend compile on the thread that asked for it, right after
-    # XLA returns: raising here makes the compiling call (a jitted call, or
+    # XLA returns (or fails): raising here makes the compiling call (a jitted call, or
     # `.lower(...).compile()`) raise jaxshard's error, and the program is not kept.
+    # What the program's checks recorded ends with its compile, violated or not.
     del duration
     if event != _BACKEND_COMPILE_EVENT:
         return
     thread = threading.get_ident()
     with _lock:
-        if _compiling.get(thread, 0) > 1:
-            _compiling[thread] -= 1
-        else:
-            _compiling.pop(thread, None)
-    if not _pending:
-        return
+        depth = _compiling.pop(thread, 1) - 1
+        if depth:  # a compile inside another: its checks belong to the outer one
+            _compiling[thread] = depth
+            return
+        if thread not in _checked and not _pending:
+            return
     violations = take_violations(thread)
     if violations:
         program = kwargs.get("fun_name", "the program")

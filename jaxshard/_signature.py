@@ -22,9 +22,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ._array_types import partition_spec
 from ._decorator import checked_by_jaxshard
-from ._errors import AnnotationError, expect, expect_callable
-from ._jax_internals import context_mesh, in_trace
+from ._errors import AnnotationError, expect, expect_callable, ShardingError
+from ._jax_internals import context_mesh
 from ._logical import active_rules, normalise, using
+from ._sharding import explicit_mismatch, is_explicit
+from ._spec import format_spec
 
 
 _union_types = (typing.Union, type(int | str))
@@ -385,7 +387,8 @@ def _shard_map(fn: Callable, mesh: Any, what: str, kwargs: dict) -> Callable:
                 "passes arguments by position."
             )
     if "in_specs" not in kwargs or "out_specs" not in kwargs:
-        ins, out = _shardings(fn, lambda spec: spec)
+        # A block is laid out whole along an unconstrained dimension.
+        ins, out = _shardings(fn, _input_spec)
         params = _positional(sig, what)
         missing = [p.name for p, s in zip(params, ins) if _has_none(s)]
         if "in_specs" not in kwargs:
@@ -417,17 +420,53 @@ def _shard_map(fn: Callable, mesh: Any, what: str, kwargs: dict) -> Callable:
 
     kwargs["out_specs"] = (kwargs["out_specs"], PartitionSpec())
     mapped = jax.shard_map(body_with_checks, mesh=mesh, **kwargs)
-    # JAX runs a shard_map op by op when called outside jit, and then refuses the
-    # Refs its body's checks make: called eagerly, it is compiled instead.
+    # JAX runs a shard_map op by op outside jit (eagerly, or under `grad` or `vmap`
+    # there), and then refuses the Refs its body's checks make: it is always jitted
+    # (inside an outer jit, a nested jit is inlined into it).
     compiled = jax.jit(mapped)
+
+    _, hints = signature(fn)
+    arrays = [
+        (p.name, hints[p.name])
+        for p in _positional(sig, what)
+        if partition_spec(hints.get(p.name)) is not None
+    ]
 
     @ft.wraps(fn)
     def wrapper(*args):
-        out, found = (mapped if in_trace() else compiled)(*args)
+        args = _laid_out(what, arrays, args)
+        out, found = compiled(*args)
         found.frame.forward(found.packed)
         return out
 
     return wrapper
+
+
+def _laid_out(what: str, arrays: list[tuple[str, Any]], args: tuple) -> tuple:
+    """`args`, each as its in_spec lays it out. On Explicit axes `jax.shard_map`
+    takes an input only in its in_spec's very layout: one laid out otherwise is a
+    `ShardingError` naming the parameter (not JAX's own error), and one in an
+    equivalent layout (`P('dp')` for `P()`, `dp` of size 1) gets the in_spec's."""
+    args = list(args)
+    for i, ((name, annotation), arg) in enumerate(zip(arrays, args)):
+        spec = _input_spec(annotation.spec)  # an unconstrained dimension is whole
+        reason = explicit_mismatch(annotation, arg, spec)
+        if reason:
+            raise ShardingError(
+                f"{what}, parameter {name!r}: {reason} On Explicit mesh axes, "
+                "jax.shard_map takes its inputs laid out as its in_specs (here the "
+                "annotations, unconstrained dimensions whole) say: reshard it first, "
+                f"e.g. `jax.sharding.reshard(x, {format_spec(spec)})`."
+            )
+        if is_explicit(arg) and jax.typeof(arg).sharding.spec != _padded(spec, arg):
+            concrete = not isinstance(arg, jax.core.Tracer)
+            mesh = (arg.sharding if concrete else jax.typeof(arg).sharding).mesh
+            args[i] = jax.sharding.reshard(arg, NamedSharding(mesh, spec))
+    return tuple(args)
+
+
+def _padded(spec: PartitionSpec, arg: Any) -> PartitionSpec:
+    return PartitionSpec(*spec, *[None] * (len(arg.shape) - len(spec)))
 
 
 def _has_none(tree: Any) -> bool:

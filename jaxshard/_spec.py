@@ -1,6 +1,7 @@
 """Partition specs in annotations: validation, printing and the compact syntax."""
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -29,18 +30,43 @@ def format_spec(spec: PartitionSpec) -> str:
     return f"P({', '.join(parts)})"
 
 
-def fill_unconstrained(spec: PartitionSpec, actual: Any) -> PartitionSpec:
+def fill_unconstrained(
+    spec: PartitionSpec, actual: Any, sizes: Mapping[str, int] | None = None
+) -> PartitionSpec:
     """`spec` with each `P.UNCONSTRAINED` entry taken from the spec `actual` (`None`
-    where it has none): what an unconstrained dimension expects is what it has."""
+    where it has none): what an unconstrained dimension expects is what it has.
+
+    An axis that `spec` names at another position, or (given the mesh's axis
+    `sizes`) an axis of size 1, is not taken: the first is a mismatch that the
+    position naming it reports, the second splits nothing. Either way the result
+    names each axis at most once, as a `NamedSharding` requires.
+    """
     if PartitionSpec.UNCONSTRAINED not in tuple(spec):
         return spec
+    taken = {a for entry in spec for a in axes_of(entry)}
     found = [*actual, *[None] * len(spec)]
+
+    def fill(entry: Any) -> Any:
+        axes = [
+            a
+            for a in axes_of(entry)
+            if a not in taken and (sizes is None or sizes.get(a, 2) != 1)
+        ]
+        taken.update(axes)
+        return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
     return PartitionSpec(
         *(
-            found[i] if e is PartitionSpec.UNCONSTRAINED else e
+            fill(found[i]) if e is PartitionSpec.UNCONSTRAINED else e
             for i, e in enumerate(spec)
         )
     )
+
+
+def splits(spec: PartitionSpec, sizes: Mapping[str, int]) -> bool:
+    """Whether `spec` splits any dimension over a mesh axis of more than one device
+    (`P.UNCONSTRAINED` splits nothing it must)."""
+    return any(sizes.get(a, 2) != 1 for entry in spec for a in axes_of(entry))
 
 
 def sharded_type(dtype: Any, shape: tuple[int, ...], spec: PartitionSpec) -> str:

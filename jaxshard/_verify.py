@@ -103,7 +103,7 @@ class Recorder:
 def _types(site: Site, actual: Any) -> tuple[str, str]:
     """The expected and the actual layout in JAX's notation, `float32[8@dp,4]`."""
     if isinstance(actual, NamedSharding):
-        expected = fill_unconstrained(site.spec, actual.spec)
+        expected = fill_unconstrained(site.spec, actual.spec, actual.mesh.shape)
         found = sharded_type(site.dtype, site.shape, actual.spec)
     else:
         expected = fill_unconstrained(site.spec, ())
