@@ -128,9 +128,11 @@ def bench(session, jax):
 
 @nox.session(python=NEWEST[0])
 def soak(session):
-    """The property tests with many examples (10,000 by default, or `nox -s soak --
-    N`): jaxshard's verdict against JAX's on random meshes, specs and shapes, on the
-    eager, Explicit-jit, Auto-jit and shard_map paths."""
+    """The differential soak with many examples (10,000 by default, or `nox -s soak
+    -- N`): jaxshard's verdicts against jaxtyping's (random shape strings) and JAX's
+    `is_equivalent_to` (random meshes, placements and specs) on every path: eager,
+    `isinstance`, Explicit traces, Auto compiles, `jax.shard_map` and
+    `jaxshard.shard_map`, under scan, checkpoint, vmap and grad."""
     _install(session, NEWEST[1], "test")
     examples = session.posargs[0] if session.posargs else "10000"
     env = {"JAX_PLATFORMS": "cpu", "JAXSHARD_PROPERTY_EXAMPLES": examples}

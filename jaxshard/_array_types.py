@@ -229,7 +229,9 @@ class _MetaShardedDtype(_MetaAbstractDtype):
             dims, spec = parse_compact(text)
             return with_spec(_made(super().__getitem__((array_type, dims)), text), spec)
         out = super().__getitem__(item)
-        return _made(out, item[1]) if isinstance(item, tuple) and len(item) == 2 else out
+        return (
+            _made(out, item[1]) if isinstance(item, tuple) and len(item) == 2 else out
+        )
 
 
 def _made(annotation: Any, shown: Any) -> Any:

@@ -133,8 +133,9 @@ def jaxtyped(fn: Any = _sentinel, *, typechecker: Any = _sentinel) -> Any:
 
     - Without `typechecker=`, parameters and return values are checked with beartype
         (jaxtyping would check nothing and warn). A function already wrapped by
-        beartype or typeguard (jaxtyping's old `@jaxtyped @beartype` syntax) is
-        treated as jaxtyping treats it: checked once, by that wrapper, with
+        beartype or typeguard (jaxtyping's old `@jaxtyped @beartype` syntax), or a
+        function with no annotations (which a typechecker leaves as it is), is
+        treated as jaxtyping treats it: checked once, by that wrapper if any, with
         jaxtyping's warning recommending the new syntax.
         `typechecker=None` is jaxtyping's: only `isinstance` checks in the body count.
     - When a sharding check fails, the error is a `jaxshard.ShardingError` (a

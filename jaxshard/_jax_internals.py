@@ -174,14 +174,18 @@ def _probe_lowering(ctx, value, *, callback, batch_dims, mesh=None):
     context = ctx.module_context.axis_context
     if mesh is not None and isinstance(context, sharding_impls.ShardingContext):
         if context.num_devices != mesh.size:  # e.g. compiled for one device
-            callback(jax.sharding.SingleDeviceSharding(mesh.devices.flat[0]), (), thread)
+            callback(
+                jax.sharding.SingleDeviceSharding(mesh.devices.flat[0]), (), thread
+            )
             return []
         # What inspect_sharding's rule reads: the devices and the mesh's shape.
         devices = tuple(mesh.devices.flat)
         context = sharding_impls.ShardingContext(
             len(devices), devices, mesh.abstract_mesh
         )
-        ctx = ctx.replace(module_context=ctx.module_context.replace(axis_context=context))
+        ctx = ctx.replace(
+            module_context=ctx.module_context.replace(axis_context=context)
+        )
     out = debugging._inspect_sharding_lowering_rule(
         ctx, value, callback=lambda sharding: callback(sharding, batch_dims, thread)
     )

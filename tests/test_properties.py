@@ -47,9 +47,11 @@ U = P.UNCONSTRAINED
 _TOTAL = int(os.environ.get("JAXSHARD_PROPERTY_EXAMPLES", "0"))
 # Each test's share of the examples: (share, default).
 _SHARES = {
-    "strings": (0.3, 60),
+    "strings": (0.25, 60),
+    "compact": (0.05, 20),
     "eager": (0.2, 40),
-    "traced": (0.25, 25),
+    "jit": (0.1, 20),
+    "traced": (0.15, 20),
     "shard_map": (0.15, 15),
     "jaxshard_shard_map": (0.1, 10),
 }
@@ -224,9 +226,11 @@ def transformed(f, chain: tuple):
     for t in chain:
         if t == "scan":
             f = (
-                lambda g: lambda x: jax.lax.scan(
-                    lambda c, _: (jnp.sin(g(c)), None), x, None, length=2
-                )[0]
+                lambda g: (
+                    lambda x: jax.lax.scan(
+                        lambda c, _: (jnp.sin(g(c)), None), x, None, length=2
+                    )[0]
+                )
             )(f)
         elif t == "checkpoint":
             f = jax.checkpoint(f)
@@ -240,7 +244,9 @@ def transformed(f, chain: tuple):
 def batched(chain: tuple, shape: tuple, actual: P) -> tuple[tuple, P]:
     """The input's shape and spec: a `vmap` stacks two of them, unsplit."""
     n = chain.count("vmap")
-    return (2,) * n + shape, P(*(None,) * n, *actual, *(None,) * (len(shape) - len(actual)))
+    return (2,) * n + shape, P(
+        *(None,) * n, *actual, *(None,) * (len(shape) - len(actual))
+    )
 
 
 def rejects(call) -> str | None:
@@ -270,9 +276,7 @@ def check_message(message: str, where: str, mesh, ndim, expected, actual=None):
     else:
         assert format_spec(expected) in sharding, message
         found = _padded(actual, ndim) if actual is not None else "P("
-        assert f"sharded as {found}" in sharding or "on one device" in sharding, (
-            message
-        )
+        assert f"sharded as {found}" in sharding or "on one device" in sharding, message
 
 
 # --- shapes and dtypes: against jaxtyping ------------------------------------------
@@ -314,7 +318,7 @@ def _outcome(fn, *args):
 
 
 def _verdict(fn, *args) -> str:
-    """"ok", "fail" (a type-check error) or the name of another error."""
+    """ "ok", "fail" (a type-check error) or the name of another error."""
     try:
         fn(*args)
     except jaxtyping.TypeCheckError:
@@ -344,16 +348,14 @@ def test_annotation_strings_agree_with_jaxtyping(data):
             assert "Cannot parse the shape" in str(o)
             x = jnp.zeros((1,) * len(text.split()))
             with pytest.raises(Exception):
-                jaxtyping.jaxtyped(typechecker=beartype.beartype)(
-                    _two(t, t, "plain")
-                )(x, x)
+                jaxtyping.jaxtyped(typechecker=beartype.beartype)(_two(t, t, "plain"))(
+                    x, x
+                )
     if any(isinstance(a, Exception) for a in theirs + ours):
         return
     arrays = []
     for _ in range(2):
-        shape = tuple(
-            data.draw(st.lists(st.integers(1, 4), min_size=0, max_size=4))
-        )
+        shape = tuple(data.draw(st.lists(st.integers(1, 4), min_size=0, max_size=4)))
         dtype = data.draw(st.sampled_from([jnp.float32, jnp.int32, jnp.bool_]))
         arrays.append(jnp.zeros(shape, dtype))
     for i in range(2):
@@ -361,9 +363,7 @@ def test_annotation_strings_agree_with_jaxtyping(data):
             isinstance, arrays[i], theirs[i]
         )
     for form in ("plain", "union", "pytree", "tuple"):
-        mine = jaxshard.jaxtyped(typechecker=beartype.beartype)(
-            _two(*ours, form)
-        )
+        mine = jaxshard.jaxtyped(typechecker=beartype.beartype)(_two(*ours, form))
         reference = jaxtyping.jaxtyped(typechecker=beartype.beartype)(
             _two(*theirs, form)
         )
@@ -404,7 +404,7 @@ def _args(arrays, form: str) -> tuple:
     return x, y
 
 
-@soak("strings")
+@soak("compact")
 @given(st.data())
 def test_the_compact_syntax_is_the_long_form(data):
     """`sharded(Float, "[a/x] b")` and `Float[Array, "a b", P("x", None)]` give the
@@ -473,13 +473,13 @@ class _nothing:
     cases(),
     st.sampled_from(["param", "return"]),
     st.sampled_from(list(DECORATORS)),
-    st.lists(st.sampled_from(TRANSFORMS), max_size=2).map(tuple),
-    st.booleans(),
+    st.lists(st.sampled_from(TRANSFORMS), min_size=1, max_size=2).map(tuple),
+    st.sampled_from(["jit", "jit in context", "eager"]),
 )
-def test_traced_verdicts_are_jaxs(case, where, decorator, chain, in_context):
-    """Under `jit`: at trace time on Explicit axes, when XLA compiles on Auto and
-    mixed ones; inside `lax.scan`, `jax.checkpoint`, `jax.vmap` and `jax.grad` as
-    outside them."""
+def test_traced_verdicts_are_jaxs(case, where, decorator, chain, how):
+    """Inside `lax.scan`, `jax.checkpoint`, `jax.vmap` and `jax.grad` as outside
+    them, under `jit` (at trace time on Explicit axes, when XLA compiles on Auto and
+    mixed ones, inside `jax.set_mesh` or not) and called eagerly."""
     mesh, shape, expected, actual = case
     ndim = len(shape)
     T = annotation(ndim, expected)
@@ -488,12 +488,17 @@ def test_traced_verdicts_are_jaxs(case, where, decorator, chain, in_context):
     full, spec = batched(chain, shape, actual)
     x = jax.ShapeDtypeStruct(full, jnp.float32, sharding=NamedSharding(mesh, spec))
     explicit = set(mesh.axis_types) == {AxisType.Explicit}
-    context = jax.set_mesh(mesh) if in_context else _nothing()
-    with context:
-        if explicit:
-            message = rejects(lambda: jax.jit(fn).trace(x))
-        else:
-            message = rejects(lambda: jax.jit(fn).lower(x).compile())
+    if how == "eager":  # an eager grad on Explicit axes needs the mesh in context
+        array = jax.device_put(jnp.ones(full), NamedSharding(mesh, spec))
+        with jax.set_mesh(mesh):
+            message = rejects(lambda: fn(array))
+    else:
+        context = jax.set_mesh(mesh) if how == "jit in context" else _nothing()
+        with context:
+            if explicit:
+                message = rejects(lambda: jax.jit(fn).trace(x))
+            else:
+                message = rejects(lambda: jax.jit(fn).lower(x).compile())
     assert (message is None) == want, (chain, message)
     if message is None:
         return
@@ -501,6 +506,36 @@ def test_traced_verdicts_are_jaxs(case, where, decorator, chain, in_context):
         check_message(message, where, mesh, ndim, expected, actual)
     elif not explicit:
         # XLA reports its own normal form of the layout: any spec will do.
+        check_message(message, where, mesh, ndim, expected)
+
+
+@soak("jit")
+@given(
+    cases(),
+    st.sampled_from(["param", "return"]),
+    st.sampled_from(list(DECORATORS)),
+    st.booleans(),
+)
+def test_jit_verdicts_are_jaxs(case, where, decorator, in_context):
+    """Under `jit`: at trace time on Explicit axes, when XLA compiles on Auto and
+    mixed ones, inside `jax.set_mesh` or not."""
+    mesh, shape, expected, actual = case
+    ndim = len(shape)
+    T = annotation(ndim, expected)
+    want = oracle(mesh, ndim, expected, NamedSharding(mesh, actual))
+    fn = checked(decorator, T, where)
+    x = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, actual))
+    explicit = set(mesh.axis_types) == {AxisType.Explicit}
+    context = jax.set_mesh(mesh) if in_context else _nothing()
+    with context:
+        if explicit:
+            message = rejects(lambda: jax.jit(fn).trace(x))
+        else:
+            message = rejects(lambda: jax.jit(fn).lower(x).compile())
+    assert (message is None) == want, message
+    if message is not None and explicit and decorator == "jaxshard":
+        check_message(message, where, mesh, ndim, expected, actual)
+    elif message is not None and not explicit:
         check_message(message, where, mesh, ndim, expected)
 
 
@@ -531,7 +566,10 @@ def test_plain_shard_map_follows_the_documented_rule(case, decorator, chain):
     message = rejects(lambda: jax.jit(mapped).trace(x))
     assert (message is None) == want, message
     if message is not None and decorator == "jaxshard":
-        assert "parameter 'x'" in message.split("Sharding:", 1)[-1], message
+        sharding = message.split("Sharding:", 1)[-1]
+        assert "parameter 'x'" in sharding, message
+        if valid(mesh, ndim, expected):
+            assert format_spec(expected) in sharding, message
 
 
 @soak("jaxshard_shard_map")

@@ -217,6 +217,23 @@ def test_inside_compiled_function(compile, make):
     assert when in str(for_torch.value) and when in str(for_jax.value)
 
 
+def test_one_compiled_function_on_explicit_then_auto_axes():
+    """The same compiled function under an Explicit mesh, then under an Auto one with
+    the same shapes and axis names: torchax's PRNG key, left on the Explicit mesh by
+    the first call, sits beside the Auto arrays of the second, which JAX takes, with
+    jaxshard's annotations as without them."""
+    compiled = torchax.compile(scale)
+    for make in (explicit, auto):
+        mesh = make((4, 2), ("dp", "tp"))
+        with jax.set_mesh(mesh):
+            out = compiled(on(mesh, np.ones((8, 4), np.float32), P("dp", "tp")))
+            assert out.jax().sharding.is_equivalent_to(
+                NamedSharding(mesh, P("dp", "tp")), 2
+            )
+            with pytest.raises(jaxshard.ShardingError):
+                compiled(on(mesh, np.ones((8, 4), np.float32), P(None, "tp")))
+
+
 @jaxshard.jaxtyped(typechecker=beartype)
 def up(
     x: Float[Tensor, "[b/dp] d"], w: Float[Tensor, "[h/tp] d"]
