@@ -17,7 +17,15 @@ Internals still used, and why (none has a public equivalent in these releases):
 - `jax._src.debugging._inspect_sharding_lowering_rule` and
   `jax._src.dispatch.prim_requires_devices_during_lowering`: the sharding probe lowers
   to the SPMD partitioner's sharding callback, as `jax.debug.inspect_array_sharding`
-  does, but without its effect (which would cost jit's C++ dispatch).
+  does, but without its effect (which would cost jit's C++ dispatch). Under
+  `jax.set_mesh` the probe hands that rule the mesh's devices itself
+  (`jax._src.sharding_impls.ShardingContext`, the lowering context's `replace`).
+- `jax._src.interpreters.partial_eval`'s `new_eqn_recipe`, `EffectHandle` and a
+  `JaxprTrace`'s `effect_handles`: the probe's partial-eval rule keeps it in the
+  forward pass of a differentiated body as an effectful equation is kept, without an
+  effect.
+- `jax._src.mesh.get_concrete_mesh`: the mesh of `jax.set_mesh` inside `jit`, where
+  `jax.sharding.get_mesh` refuses to answer.
 - `jax._src.interpreters.batching.BatchTracer`: whether a value is batched by `vmap`
   (the public `ad.JVPTracer` is used to look through autodiff).
 - `jax._src.mesh.thread_resources`: the mesh of the legacy `with mesh:`, deprecated
@@ -34,7 +42,8 @@ Internals still used, and why (none has a public equivalent in these releases):
 - `ShardingTypeError` (by name: JAX does not export it), to word verify's error.
 - `aval.manual_axis_type.varying`: the mesh axes a value varies over in `shard_map`.
 - jaxtyping's `_storage` (dimension bindings, the tree-structure pass of `PyTree`),
-  `_decorator`'s wrapper frame (which function is being checked) and its array
+  `_decorator`'s wrapper frame (which function is being checked, with which
+  arguments and annotations, and whether its return value is) and its array
   metaclass's `__instancecheck_str__`/`_check_shape`, which jaxshard's extends.
 """
 

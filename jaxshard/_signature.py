@@ -386,6 +386,7 @@ def _shard_map(fn: Callable, mesh: Any, what: str, kwargs: dict) -> Callable:
                 f"{what}: parameter {p.name!r} is keyword-only, but jax.shard_map "
                 "passes arguments by position."
             )
+    annotated = "in_specs" not in kwargs  # the in_specs are the annotations'
     if "in_specs" not in kwargs or "out_specs" not in kwargs:
         # A block is laid out whole along an unconstrained dimension.
         ins, out = _shardings(fn, _input_spec)
@@ -427,9 +428,9 @@ def _shard_map(fn: Callable, mesh: Any, what: str, kwargs: dict) -> Callable:
 
     _, hints = signature(fn)
     arrays = [
-        (p.name, hints[p.name])
-        for p in _positional(sig, what)
-        if partition_spec(hints.get(p.name)) is not None
+        (i, p.name, hints[p.name])
+        for i, p in enumerate(_positional(sig, what))
+        if annotated and partition_spec(hints.get(p.name)) is not None
     ]
 
     @ft.wraps(fn)
@@ -442,13 +443,17 @@ def _shard_map(fn: Callable, mesh: Any, what: str, kwargs: dict) -> Callable:
     return wrapper
 
 
-def _laid_out(what: str, arrays: list[tuple[str, Any]], args: tuple) -> tuple:
-    """`args`, each as its in_spec lays it out. On Explicit axes `jax.shard_map`
-    takes an input only in its in_spec's very layout: one laid out otherwise is a
-    `ShardingError` naming the parameter (not JAX's own error), and one in an
-    equivalent layout (`P('dp')` for `P()`, `dp` of size 1) gets the in_spec's."""
+def _laid_out(what: str, arrays: list[tuple[int, str, Any]], args: tuple) -> tuple:
+    """`args`, each as its in_spec (its annotation's) lays it out. On Explicit axes
+    `jax.shard_map` takes an input only in its in_spec's very layout: one laid out
+    otherwise is a `ShardingError` naming the parameter (not JAX's own error), and
+    one in an equivalent layout (`P('dp')` for `P()`, `dp` of size 1) gets the
+    in_spec's."""
     args = list(args)
-    for i, ((name, annotation), arg) in enumerate(zip(arrays, args)):
+    for i, name, annotation in arrays:
+        if i >= len(args):
+            break
+        arg = args[i]
         spec = _input_spec(annotation.spec)  # an unconstrained dimension is whole
         reason = explicit_mismatch(annotation, arg, spec)
         if reason:

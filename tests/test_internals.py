@@ -1,5 +1,6 @@
 """The behaviour jaxshard relies on in JAX's and jaxtyping's internals."""
 
+import inspect
 import os
 import subprocess
 import sys
@@ -52,6 +53,50 @@ def test_probe_keeps_the_fast_path(auto_mesh):
     assert f._cache_size() == 1
 
 
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_probe_survives_partial_evaluation(on_mesh, auto_mesh):
+    """grad of a scan body splits it into a forward and a backward pass with
+    `pe.JaxprTrace`, which keeps only equations something uses (or with an effect):
+    the probe's partial-eval rule keeps it in the forward pass, without an effect."""
+    seen = []
+
+    def body(c, _):
+        y = jnp.sin(c)
+        mesh = auto_mesh if on_mesh else None
+        internals.bind_probe(y, lambda s, dims, t: seen.append(s.spec), mesh)
+        return y, None
+
+    def loss(x):
+        return jax.lax.scan(body, x, None, length=2)[0].sum()
+
+    x = put((8, 4), auto_mesh, P("dp", "tp"))
+    with jax.set_mesh(auto_mesh):
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(x)
+        jax.jit(jax.grad(loss)).lower(x).compile()
+    assert "jaxshard_sharding_probe" in str(jaxpr) and not jaxpr.effects
+    assert seen and all(spec == P("dp", "tp") for spec in seen)
+
+
+def test_probe_on_a_mesh_needs_no_device_assignment(auto_mesh):
+    """The probe given its mesh is not one of the primitives for which JAX hands
+    the device assignment to the lowering (and refuses inputs whose meshes differ in
+    their axis types only); the other is, as inspect_sharding."""
+    from jax._src import dispatch
+
+    assert internals.probe_p in dispatch.prim_requires_devices_during_lowering
+    assert internals.mesh_probe_p not in dispatch.prim_requires_devices_during_lowering
+    seen = []
+
+    def f(x):
+        internals.bind_probe(x, lambda s, d, t: seen.append(s), auto_mesh)
+        return x * 2
+
+    with jax.set_mesh(auto_mesh):
+        jax.jit(f).lower(put((8, 4), auto_mesh, P("tp"))).compile()
+    (sharding,) = seen
+    assert sharding.mesh.shape == auto_mesh.shape and sharding.spec == P("tp")
+
+
 def test_checked_call_finds_jaxtyping_frames():
     import beartype
     import jaxtyping
@@ -64,10 +109,30 @@ def test_checked_call_finds_jaxtyping_frames():
         return x
 
     f(1)
-    name, arguments, out = seen[0]
-    assert name.endswith("test_checked_call_finds_jaxtyping_frames.<locals>.f")
-    assert arguments == {"x": 1, "y": 3}
+    call = seen[0]
+    assert call.function.endswith("test_checked_call_finds_jaxtyping_frames.<locals>.f")
+    assert call.arguments == {"x": 1, "y": 3}
+    assert call.hints == {"x": int, "y": int, "return": inspect.Signature.empty}
+    assert not call.returned
     assert internals.checked_call() is None
+
+    class Recording(type):
+        def __instancecheck__(cls, obj):
+            seen.append(internals.checked_call())
+            return True
+
+    class Anything(metaclass=Recording):
+        pass
+
+    @jaxtyping.jaxtyped(typechecker=beartype.beartype)
+    def g(x: Anything) -> Anything:
+        return x
+
+    seen.clear()
+    g(5)
+    params, result = seen[0], seen[-1]
+    assert not params.returned and result.returned and result.out == 5
+    assert result.hints == {"x": Anything, "return": Anything}
 
 
 def test_context_mesh(explicit_mesh, auto_mesh):
@@ -76,6 +141,9 @@ def test_context_mesh(explicit_mesh, auto_mesh):
     assert internals.context_mesh() is None
     with jax.set_mesh(explicit_mesh):
         assert internals.context_mesh() is explicit_mesh
+        seen = []
+        jax.jit(lambda x: seen.append(internals.context_mesh()) or x)(1.0)
+        assert seen == [explicit_mesh]  # inside jit too
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         with auto_mesh:
