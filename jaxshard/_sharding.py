@@ -567,20 +567,12 @@ def _on_sharding(
 ) -> None:
     # Runs on an XLA compiler thread: never raise here (XLA would wrap the error in
     # `JaxRuntimeError: INTERNAL: Error calling inspect_sharding`); record instead.
-    sharding = _strip(sharding, batch_dims, len(site.shape))
-    if isinstance(sharding, NamedSharding):
-        mesh = sharding.mesh
-        if set(site.axis_types) == set(mesh.axis_names):
-            types = tuple(site.axis_types[a] for a in mesh.axis_names)
-            sharding = NamedSharding(mesh.update(axis_types=types), sharding.spec)
-        reason = compare(site.spec, sharding, site.shape, site.dtype)
-    elif len(sharding.device_set) == 1:
-        reason = ""
-    else:
+    try:
+        sharding, reason = _verdict_on(site, sharding, batch_dims)
+    except Exception as e:  # noqa: BLE001: reported as the check's outcome
         reason = (
-            f"XLA spread the array over {len(sharding.device_set)} devices with no "
-            "mesh to read the annotation's axis names against. Run the code inside "
-            "`with jax.set_mesh(mesh):`"
+            f"jaxshard could not compare the layout XLA chose ({sharding}) with the "
+            f"annotation's: {type(e).__name__}: {e}. Please report this"
         )
     if reason.startswith("is "):
         reason = "after XLA's sharding propagation it " + reason
@@ -600,6 +592,25 @@ def _on_sharding(
         _checked.setdefault(thread, []).append(site)
         if reason:
             _pending.append(Violation(site, sharding, reason + ".", thread))
+
+
+def _verdict_on(site: Site, sharding, batch_dims: tuple[int, ...]) -> tuple[Any, str]:
+    """The sharding XLA chose for the value of `site` (less `vmap`'s dimensions),
+    and why it differs from the annotation's ("" if it does not)."""
+    sharding = _strip(sharding, batch_dims, len(site.shape))
+    if isinstance(sharding, NamedSharding):
+        mesh = sharding.mesh
+        if set(site.axis_types) == set(mesh.axis_names):
+            types = tuple(site.axis_types[a] for a in mesh.axis_names)
+            sharding = NamedSharding(mesh.update(axis_types=types), sharding.spec)
+        return sharding, compare(site.spec, sharding, site.shape, site.dtype)
+    if len(sharding.device_set) == 1:
+        return sharding, ""
+    return sharding, (
+        f"XLA spread the array over {len(sharding.device_set)} devices with no "
+        "mesh to read the annotation's axis names against. Run the code inside "
+        "`with jax.set_mesh(mesh):`"
+    )
 
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
