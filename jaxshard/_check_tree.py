@@ -13,8 +13,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ._array_types import _MetaShardedArray, Shaped
 from ._errors import ShardingError, TypeCheckError
 from ._jax_internals import ArrayMeta
-from ._logical import flax_rules, L, using
+from ._logical import active_rules, flax_rules, L, using
 from ._sharding import naming
+from ._spec import axes_of
 
 
 _union_types = (typing.Union, type(int | str))
@@ -240,8 +241,8 @@ def check_partitioning(
     `jaxshard.ShardingError` naming the path of every mis-sharded leaf
     (`params['Dense_0']['kernel']`), with what it is and what its metadata says.
     """
-    found = partitioned_leaves(tree, specs, name)
     with using(rules):
+        found = partitioned_leaves(tree, specs, name)
         _check_all(
             f"check_partitioning({name})",
             found,
@@ -267,16 +268,49 @@ def partitioned_leaves(tree: Any, specs: Any, name: str) -> list:
         for (path, spec), value in zip(pairs, values):
             if spec is not None:
                 value = _unboxed(value)
-                out.append(
-                    (name + jax.tree_util.keystr(path), _annotation(spec), value, None)
-                )
+                annotation = _annotation(_logical_if_named(spec, value))
+                out.append((_path(name, path), annotation, value, None))
         return out
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]:
         spec, own = _metadata(leaf)
         if spec is not None:
-            where = name + jax.tree_util.keystr(path)
-            out.append((where, _annotation(spec), _unboxed(leaf), own))
+            out.append((_path(name, path), _annotation(spec), _unboxed(leaf), own))
     return out
+
+
+def _path(name: str, path: tuple) -> str:
+    """`params['Dense_0']['kernel']`: without the `.value` of a flax box."""
+    return (name + jax.tree_util.keystr(path)).removesuffix(".value")
+
+
+def _logical_if_named(spec: Any, value: Any) -> Any:
+    """`spec`, or `L(*spec)` for a `PartitionSpec` of logical names, as
+    `nn.get_partition_spec` makes from flax's logical metadata: one naming axes that
+    the value's mesh does not have (or, with no mesh known, only names) that the
+    rules in force know."""
+    rules = active_rules()
+    if rules is None or not isinstance(spec, PartitionSpec):
+        return spec
+    names = {a for entry in spec for a in axes_of(entry)}
+    mesh = _mesh_of(value)
+    known = set(rules.known)
+    if not names or not names & known:
+        return spec
+    if mesh is None and names <= known or mesh is not None and names - set(mesh):
+        return L(*spec)
+    return spec
+
+
+def _mesh_of(value: Any) -> tuple[str, ...] | None:
+    """The axis names of the mesh `value` is laid out on, or in context."""
+    sharding = getattr(value, "sharding", None)
+    if isinstance(value, jax.core.Tracer):
+        sharding = jax.typeof(value).sharding
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and not mesh.empty:
+        return tuple(mesh.axis_names)
+    context = jax.sharding.get_abstract_mesh()
+    return None if context.empty else tuple(context.axis_names)
 
 
 def _is_spec(x: Any) -> bool:

@@ -94,6 +94,27 @@ def test_a_tree_of_specs():
             jaxshard.check_partitioning(unboxed, [P()])
 
 
+def test_specs_from_flax_metadata_are_logical():
+    """`nn.get_partition_spec` of the abstract variables, the documented form for
+    unboxed params, names flax's logical axes: read under the rules in force (here
+    flax's own), and every path without the box's `.value`."""
+    mesh = auto_mesh()
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        params, abstract = initialised(mesh)
+        unboxed, specs = nn.unbox(params), nn.get_partition_spec(abstract)
+        jaxshard.check_partitioning(unboxed, specs)
+        bad = dict(unboxed["params"])
+        bad["Dense_1"] = replicate(bad["Dense_1"], mesh)
+        with pytest.raises(jaxshard.ShardingError) as caught:
+            jaxshard.check_partitioning({"params": bad}, specs)
+    lines = str(caught.value).splitlines()
+    assert lines[0].startswith("check_partitioning(params): 1 array")
+    assert lines[1].startswith("- params['params']['Dense_1']['kernel']: ")
+    assert "L('mlp', 'embed')" in lines[1] and ".value" not in str(caught.value)
+    with pytest.raises(jaxshard.ShardingError, match="names mesh axis 'embed'"):
+        jaxshard.check_partitioning(unboxed, specs)  # no rules in force
+
+
 @pytest.mark.parametrize("axis_types", ["auto"])
 def test_inside_jit_as_an_annotation(axis_types):
     del axis_types
