@@ -75,7 +75,7 @@ class _MetaShardedArray(ArrayMeta):
         shape = None
         value = _torch.jax_value(obj)
         if isinstance(value, jax.core.Tracer):
-            shape = _sharding.global_shape(cls.spec, value)
+            shape = _sharding.global_shape(cls, value)
         if shape is None or shape == tuple(obj.shape):
             return ArrayMeta._check_shape(
                 cls, obj, single_memo, variadic_memo, arg_memo

@@ -393,7 +393,7 @@ def _unexplained(spec: PartitionSpec, aval, mesh) -> set[str]:
     return {a for a in varying - named if mesh.shape[a] != 1}
 
 
-def global_shape(spec: PartitionSpec, obj: Any) -> tuple[int, ...] | None:
+def global_shape(annotation: Any, obj: Any) -> tuple[int, ...] | None:
     """Inside `shard_map`, the global shape of which the tracer `obj` is one block;
     else None.
 
@@ -406,6 +406,12 @@ def global_shape(spec: PartitionSpec, obj: Any) -> tuple[int, ...] | None:
     mesh = aval.sharding.mesh
     if mesh.empty or AxisType.Manual not in mesh.axis_types:
         return None
+    try:
+        spec = annotation.spec
+    except AnnotationError:
+        if _config.current().sharding == "off":
+            return None  # logical names with no rules: the block's own shape
+        raise
     manual = {
         n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual
     }

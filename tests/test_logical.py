@@ -364,3 +364,22 @@ def test_rules():
     )
     assert result.ret != 0
     result.stderr.fnmatch_lines(["*--jaxshard-rules model:nothing*no attribute*"])
+
+
+def test_sharding_off_reads_no_logical_spec(explicit_mesh, auto_mesh):
+    """With the sharding side off, a logical annotation is not resolved anywhere:
+    no rules need to be in force, eagerly, in jit, in eval_shape or in shard_map."""
+
+    @jaxshard.jaxtyped
+    def f(x: Float[Array, "b d", L("batch", None)]) -> Float[Array, "b d", L("batch")]:
+        return x * 2
+
+    x = jnp.ones((8, 4))
+    with jaxshard.config(sharding="off"):
+        assert f(x).shape == jax.jit(f)(x).shape == jax.eval_shape(f, x).shape
+        for m in (explicit_mesh, auto_mesh):
+            mapped = jax.shard_map(f, mesh=m, in_specs=P("dp"), out_specs=P("dp"))
+            placed = jax.device_put(x, NamedSharding(m, P("dp")))
+            assert jax.jit(mapped)(placed).shape == (8, 4)
+    with pytest.raises(jaxshard.ShardingError, match="no axis rules are in force"):
+        jax.jit(f)(x)
