@@ -126,8 +126,10 @@ def bind_probe(
 
     `batch_dims` are the positions of `vmap`-added dimensions in that sharding, which
     are not part of the annotation; `lowered_on` is the id of the thread that lowered
-    the program. `mesh` is the concrete mesh in context at trace time, if any: the
-    sharding is read against it.
+    the program, or `None` when JAX evaluates the probe op by op on a concrete array
+    (a remat'ed function called outside `jit`, say), with the array's own sharding.
+    `mesh` is the concrete mesh in context at trace time, if any: the sharding is
+    read against it.
     """
     if mesh is None:
         probe_p.bind(value, callback=callback, batch_dims=())
@@ -137,7 +139,7 @@ def bind_probe(
 
 def _probe_impl(value, *, callback, batch_dims, **params):
     del params
-    callback(value.sharding, batch_dims, threading.get_ident())
+    callback(value.sharding, batch_dims, None)
     return []
 
 

@@ -569,10 +569,11 @@ def _strip(sharding, batch_dims: tuple[int, ...], ndim: int):
 
 
 def _on_sharding(
-    site: Site, sharding, batch_dims: tuple[int, ...], lowered_on: int
+    site: Site, sharding, batch_dims: tuple[int, ...], lowered_on: int | None
 ) -> None:
-    # Runs on an XLA compiler thread: never raise here (XLA would wrap the error in
+    # Runs on an XLA compiler thread: never raise there (XLA would wrap the error in
     # `JaxRuntimeError: INTERNAL: Error calling inspect_sharding`); record instead.
+    # Evaluated op by op (`lowered_on` None), it runs in the user's call: raise.
     try:
         sharding, reason = _verdict_on(site, sharding, batch_dims)
     except Exception as e:  # noqa: BLE001: reported as the check's outcome
@@ -581,11 +582,21 @@ def _on_sharding(
             f"annotation's: {type(e).__name__}: {e}. Please report this"
         )
     if reason.startswith("is "):
-        reason = "after XLA's sharding propagation it " + reason
+        eager = lowered_on is None
+        found = "this array" if eager else "after XLA's sharding propagation it"
+        reason = f"{found} {reason}"
     if reason and site.rules:
         reason = f"{reason}; {site.rules}"
     if site.recorder is not None:
         site.recorder.add(site, sharding, reason + "." if reason else "")
+        return
+    if lowered_on is None:  # evaluated op by op, on this thread: raise now
+        if reason:
+            violation = Violation(site, sharding, reason + ".", threading.get_ident())
+            raise ShardingError(
+                "1 sharding contract violated, found when JAX evaluated the program "
+                f"op by op:\n- {in_program_order([violation], [])[0]}"
+            )
         return
     with _lock:
         # The compiling thread waits for XLA, so it is one of those compiling now:

@@ -356,3 +356,24 @@ def test_an_unannotated_function_warns_as_jaxtyping_does():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert asyncio.run(f()) == 1
+
+
+@pytest.mark.parametrize("decorator", [jaxshard.jaxtyped, jaxtyping.jaxtyped])
+def test_a_probe_evaluated_op_by_op_raises_at_once(decorator, auto_mesh):
+    """A remat'ed function called outside `jit` evaluates its program op by op,
+    probes included: a violation is raised by that call, and nothing is left over
+    for the next compile to report."""
+
+    @decorator(typechecker=beartype.beartype)
+    def f(x: Float[Array, "..."]) -> Float[Array, "a b", P(None, "tp")]:
+        return x
+
+    x = put((16, 16), auto_mesh, P("dp", None))
+    with jax.set_mesh(auto_mesh):
+        with pytest.raises(jaxshard.ShardingError, match="op by op") as e:
+            jax.checkpoint(f)(x)
+        assert "the return value" in str(e.value) and "this array is sharded" in str(
+            e.value
+        )
+        assert not _sharding._pending and not _sharding._checked
+        jax.jit(lambda x: x * 2)(x)  # compiles, and reports nothing
