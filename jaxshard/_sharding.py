@@ -333,8 +333,7 @@ def _check_traced(annotation, x, named: Any) -> str:
             if reason:
                 reason = _phrase(describe_array(aval.dtype, aval.shape), reason)
             return _verdict(annotation, named, aval, _with_rules(reason, annotation))
-    _add_probe(annotation, x, aval, named)
-    return ""
+    return _add_probe(annotation, x, aval, named)
 
 
 def _verdict(annotation, x, aval, reason: str) -> str:
@@ -547,7 +546,19 @@ def _site(annotation, x, aval, recorder=None) -> Site:
     )
 
 
-def _add_probe(annotation, x, aval, named: Any) -> None:
+class _Binding(threading.local):
+    """The verdicts of probes that JAX evaluated op by op while `_add_probe` bound
+    them (`vmap` outside `jit` runs its batching rule, and the probe, at once)."""
+
+    found: list | None = None
+
+
+_binding = _Binding()
+
+
+def _add_probe(annotation, x, aval, named: Any) -> str:
+    """Leaves a probe for the sharding XLA gives `x`: "", or the reason it fails if
+    JAX evaluated the probe there and then."""
     site = _site(annotation, named, aval, _config.current().recorder)
     traced, mesh = aval.sharding.mesh, context_mesh()
     if mesh is not None and (mesh.axis_names, mesh.axis_sizes) != (
@@ -555,7 +566,13 @@ def _add_probe(annotation, x, aval, named: Any) -> None:
         traced.axis_sizes,
     ):
         mesh = None  # the program's mesh is known only when it is lowered
-    bind_probe(x, ft.partial(_on_sharding, site), mesh)
+    outer, _binding.found = _binding.found, []
+    try:
+        bind_probe(x, ft.partial(_on_sharding, site), mesh)
+        found = _binding.found
+    finally:
+        _binding.found = outer
+    return found[0] if found else ""
 
 
 def _strip(sharding, batch_dims: tuple[int, ...], ndim: int):
@@ -573,7 +590,8 @@ def _on_sharding(
 ) -> None:
     # Runs on an XLA compiler thread: never raise there (XLA would wrap the error in
     # `JaxRuntimeError: INTERNAL: Error calling inspect_sharding`); record instead.
-    # Evaluated op by op (`lowered_on` None), it runs in the user's call: raise.
+    # Evaluated op by op (`lowered_on` None), it runs in the user's call: the check
+    # that bound it returns the reason, or else it raises.
     try:
         sharding, reason = _verdict_on(site, sharding, batch_dims)
     except Exception as e:  # noqa: BLE001: reported as the check's outcome
@@ -581,6 +599,12 @@ def _on_sharding(
             f"jaxshard could not compare the layout XLA chose ({sharding}) with the "
             f"annotation's: {type(e).__name__}: {e}. Please report this"
         )
+    if lowered_on is None and reason and _binding.found is not None:
+        phrased = _phrase(site.array, reason)
+        _binding.found.append(
+            f"{phrased[:-1]}; {site.rules}." if site.rules else phrased
+        )
+        return
     if reason.startswith("is "):
         eager = lowered_on is None
         found = "this array" if eager else "after XLA's sharding propagation it"
@@ -590,7 +614,7 @@ def _on_sharding(
     if site.recorder is not None:
         site.recorder.add(site, sharding, reason + "." if reason else "")
         return
-    if lowered_on is None:  # evaluated op by op, on this thread: raise now
+    if lowered_on is None:
         if reason:
             violation = Violation(site, sharding, reason + ".", threading.get_ident())
             raise ShardingError(

@@ -377,3 +377,24 @@ def test_a_probe_evaluated_op_by_op_raises_at_once(decorator, auto_mesh):
         )
         assert not _sharding._pending and not _sharding._checked
         jax.jit(lambda x: x * 2)(x)  # compiles, and reports nothing
+
+
+def test_vmap_outside_jit_checks_in_the_call(auto_mesh):
+    """`vmap` outside `jit` evaluates a probe as it is bound: the check itself
+    fails, with the Sharding section, and `isinstance` says False."""
+    T = Float[Array, "d", P()]
+
+    @checked
+    def f(x: T):
+        return x * 2
+
+    x = put((2, 8), auto_mesh, P(None, "dp"))
+    with jax.set_mesh(auto_mesh):
+        with pytest.raises(jaxshard.ShardingError) as e:
+            jax.vmap(f)(x)
+        assert jax.vmap(lambda r: jnp.asarray(isinstance(r, T)))(x).tolist() == [
+            False,
+            False,
+        ]
+    sharding = str(e.value).split("Sharding:", 1)[1]
+    assert "parameter 'x'" in sharding and "is sharded as P('dp')" in sharding
