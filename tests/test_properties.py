@@ -28,6 +28,7 @@ import os
 import re
 
 import beartype
+import hypothesis
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -502,9 +503,10 @@ def test_traced_verdicts_are_jaxs(case, where, decorator, chain, how):
     assert (message is None) == want, (chain, message)
     if message is None:
         return
-    if explicit and decorator == "jaxshard":
+    ours = decorator == "jaxshard" or "sharding contract" in message
+    if explicit and ours:
         check_message(message, where, mesh, ndim, expected, actual)
-    elif not explicit:
+    elif ours:
         # XLA reports its own normal form of the layout: any spec will do.
         check_message(message, where, mesh, ndim, expected)
 
@@ -598,6 +600,11 @@ def test_jaxshard_shard_map_lays_out_as_annotated(case, chain, eager):
     local = jaxshard.shard_map(body, mesh=mesh)
     fn = transformed(local, chain)
     explicit = set(mesh.axis_types) == {AxisType.Explicit}
+    mixed = len(set(mesh.axis_types)) > 1
+    # JAX itself cannot differentiate a shard_map on a mesh of both axis types
+    # (its cotangent loses the Explicit axes of its type), nor keeps the out_specs'
+    # layout over the Auto axes of such a mesh in a jit's output.
+    hypothesis.assume(not (mixed and chain))
     if chain and AxisType.Explicit in mesh.axis_types:
         # Under scan and grad a type on Explicit axes must be the very same spec,
         # which an equivalent one (naming a size-1 axis) is not.
@@ -611,7 +618,7 @@ def test_jaxshard_shard_map_lays_out_as_annotated(case, chain, eager):
         assert "reshard" in message
         return
     assert message is None, message
-    if not chain:
+    if not chain and not mixed:
         with jax.set_mesh(mesh):
             out = fn(x) if eager else jax.jit(fn)(x)
         assert NamedSharding(mesh, whole).is_equivalent_to(out.sharding, ndim)
