@@ -41,6 +41,9 @@ Internals still used, and why (none has a public equivalent in these releases):
   dropped at exit so that JAX does not raise them a last time there.
 - `ShardingTypeError` (by name: JAX does not export it), to word verify's error.
 - `aval.manual_axis_type.varying`: the mesh axes a value varies over in `shard_map`.
+- flax linen's module stack (`flax.linen.module._context.module_stack`): whether a
+  module method runs under `Module.init`, whose dummy batch activation contracts
+  have nothing to say about.
 - jaxtyping's `_storage` (dimension bindings, the tree-structure pass of `PyTree`),
   `_decorator`'s wrapper frame (which function is being checked, with which
   arguments and annotations, and whether its return value is) and its array
@@ -263,6 +266,24 @@ def is_batched(x: Any) -> bool:
         else:
             return False
     return False
+
+
+# --- flax linen's init ---------------------------------------------------------------
+
+
+def in_linen_init() -> bool:
+    """Whether a flax linen Module's method is running under `Module.init` (or
+    `nn.init`, or a `jax.eval_shape` of either): the innermost module on linen's
+    module stack (`flax.linen.module._context.module_stack`, flax 0.12) says so with
+    its public `is_initializing()`. False when flax is not loaded."""
+    linen = sys.modules.get("flax.linen.module")
+    if linen is None:
+        return False
+    stack = getattr(getattr(linen, "_context", None), "module_stack", None)
+    module = stack[-1] if stack else None
+    if module is None or getattr(module, "scope", None) is None:
+        return False
+    return module.is_initializing()
 
 
 # --- the mesh in JAX's context ------------------------------------------------------

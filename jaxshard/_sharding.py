@@ -28,6 +28,7 @@ from ._jax_internals import (
     checked_call,
     checked_calls,
     context_mesh,
+    in_linen_init,
     is_batched,
 )
 from ._spec import axes_of, fill_unconstrained, format_spec, sharded_type, splits
@@ -227,8 +228,8 @@ def is_array_like(obj: Any) -> bool:
 def check(annotation, obj: Any, value: Any) -> str:
     """Why `obj`'s sharding does not satisfy `annotation.spec`; "" if it does.
     `value` is `_torch.jax_value(obj)`: the jax.Array of a torchax tensor."""
-    if _config.current().sharding == "off":
-        return ""
+    if _config.current().sharding == "off" or in_linen_init():
+        return ""  # off; or flax's init, whose dummy batch is not data
     try:
         spec = annotation.spec
     except AnnotationError as e:  # logical names the rules cannot resolve

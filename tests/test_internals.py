@@ -385,3 +385,22 @@ def test_dce_keeps_the_probe_and_discharge_writes_the_state():
     f(jnp.ones(3))
     with pytest.raises(jaxshard.CheckError, match="x is -2.0"):
         f(jnp.array([1.0, -2.0, 3.0]))
+
+
+def test_in_linen_init():
+    """flax linen's module stack says which module runs, and its public
+    `is_initializing` whether under init."""
+    import flax.linen as nn
+
+    seen = []
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            seen.append(internals.in_linen_init())
+            return nn.Dense(2)(x)
+
+    variables = Layer().init(jax.random.key(0), jnp.ones((1, 2)))
+    jax.eval_shape(Layer().init, jax.random.key(0), jnp.ones((1, 2)))
+    Layer().apply(variables, jnp.ones((1, 2)))
+    assert seen == [True, True, False] and not internals.in_linen_init()
