@@ -41,6 +41,8 @@ Internals still used, and why (none has a public equivalent in these releases):
   dropped at exit so that JAX does not raise them a last time there.
 - `ShardingTypeError` (by name: JAX does not export it), to word verify's error.
 - `aval.manual_axis_type.varying`: the mesh axes a value varies over in `shard_map`.
+- `jax._src.pjit._run_python_pjit`'s frame: the arguments of the `jax.jit` call
+  being compiled, whose layouts point at the likely cause of a violation.
 - flax linen's module stack (`flax.linen.module._context.module_stack`): whether a
   module method runs under `Module.init`, whose dummy batch activation contracts
   have nothing to say about.
@@ -266,6 +268,33 @@ def is_batched(x: Any) -> bool:
         else:
             return False
     return False
+
+
+# --- the jit call being compiled -----------------------------------------------------
+
+
+def _pjit_file() -> str:
+    from jax._src import pjit
+
+    return pjit.__file__
+
+
+_PJIT_CALL = ("_run_python_pjit", _pjit_file())
+
+
+def compiling_call() -> tuple[Any, tuple, dict] | None:
+    """`(function, args, kwargs)` of the `jax.jit` call whose program this thread
+    compiles (the first call of a jitted function, which compiles it), or `None`
+    (`.lower(...).compile()`, say). Read from the locals of JAX's
+    `jax._src.pjit._run_python_pjit` frame, the same on jax 0.10.2 to 0.12.0.1."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if (code.co_name, code.co_filename) == _PJIT_CALL:
+            local = frame.f_locals
+            return local.get("fun"), local.get("args", ()), local.get("kwargs", {})
+        frame = frame.f_back
+    return None
 
 
 # --- flax linen's init ---------------------------------------------------------------

@@ -21,12 +21,13 @@ import jax
 import jax.monitoring
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from . import _config, _torch
+from . import _config, _diagnosis, _torch
 from ._errors import AnnotationError, ShardingError
 from ._jax_internals import (
     bind_probe,
     checked_call,
     checked_calls,
+    compiling_call,
     context_mesh,
     in_linen_init,
     is_batched,
@@ -658,10 +659,10 @@ def _verdict_on(site: Site, sharding, batch_dims: tuple[int, ...]) -> tuple[Any,
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
-def take_violations(thread: int | None = None) -> list[Violation]:
+def take_violations(thread: int | None = None) -> tuple[list[Violation], list[Site]]:
     """Removes and returns the violations recorded for programs compiled by `thread`
-    (default: this one) or by threads that have ended, and forgets every check those
-    programs made."""
+    (default: this one) or by threads that have ended, in program order, and every
+    check those programs made; nothing of them is left behind."""
     thread = threading.get_ident() if thread is None else thread
     alive = {t.ident for t in threading.enumerate()}
     with _lock:
@@ -670,7 +671,7 @@ def take_violations(thread: int | None = None) -> list[Violation]:
         sites = []
         for t in [t for t in _checked if t == thread or t not in alive]:
             sites += _checked.pop(t)
-    return in_program_order(mine, sites) if mine else []
+    return (in_program_order(mine, sites) if mine else []), sites
 
 
 def in_program_order(violations: list[Violation], sites: list[Site]) -> list:
@@ -721,24 +722,25 @@ def _on_compile(event: str, duration: float, **kwargs) -> None:
             return
         if thread not in _checked and not _pending:
             return
-    violations = take_violations(thread)
+    violations, sites = take_violations(thread)
     if violations:
         program = kwargs.get("fun_name", "the program")
-        raise ShardingError(format_violations(violations, program))
+        inputs = _diagnosis.inputs_of(compiling_call())
+        raise ShardingError(format_violations(violations, program, sites, inputs))
 
 
-def format_violations(violations: list[Violation], program: str) -> str:
+def format_violations(
+    violations: list[Violation], program: str, sites=(), inputs=()
+) -> str:
+    """The message for the violations of one program: the likely cause in full,
+    and the rest summarised (see `_diagnosis`); `inputs` are the program's input
+    arrays by path, if known."""
     count = len(violations)
     head = (
         f"{count} sharding contract{'s' if count > 1 else ''} violated in {program}, "
         "found when XLA compiled it"
     )
-    if count > 1:
-        head += (
-            " (in program order: the first is the likely cause, and the later ones "
-            "may follow from it)"
-        )
-    return "\n".join([head + ":", *(f"- {v}" for v in violations)])
+    return _diagnosis.report(violations, list(sites), head, list(inputs))
 
 
 jax.monitoring.register_scalar_listener(_on_compile_start)

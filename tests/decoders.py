@@ -200,7 +200,10 @@ class NnxBlock(nnx.Module):
 
 
 class NnxDecoder(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, wrong_layer: int | None = None):
+    def __init__(
+        self, rngs: nnx.Rngs, wrong_layer: int | None = None, constrain: bool = True
+    ):
+        self.constrain = constrain  # the embedding's output to the residual's layout
         self.embed = _param(rngs, (VOCAB, EMBED), ("vocab", "embed"))
         self.blocks = nnx.List(
             [
@@ -214,20 +217,21 @@ class NnxDecoder(nnx.Module):
     @jaxshard.jaxtyped
     def __call__(self, tokens: Tokens) -> Logits:
         x = jnp.take(self.embed[...], tokens, axis=0)
-        x = jax.lax.with_sharding_constraint(x, nn.logical_to_mesh_axes(AXES))
+        if self.constrain:
+            x = jax.lax.with_sharding_constraint(x, nn.logical_to_mesh_axes(AXES))
         for block in self.blocks:
             x = block(x)
         return _norm(x) @ self.embed[...].T
 
 
-def make_nnx(mesh, wrong_layer: int | None = None) -> Decoder:
+def make_nnx(mesh, wrong_layer: int | None = None, constrain: bool = True) -> Decoder:
     """nnx's sharded init (`nnx.get_partition_spec` of an abstract model, a jitted
     constructor whose state is constrained to it) and a functional train step on the
     model's and optimizer's state, jitted with shardings and donation."""
 
     @nnx.jit
     def create():
-        model = NnxDecoder(nnx.Rngs(0), wrong_layer)
+        model = NnxDecoder(nnx.Rngs(0), wrong_layer, constrain)
         optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
         state = nnx.state((model, optimizer))
         specs = nnx.get_partition_spec(state)

@@ -382,10 +382,19 @@ def test_violations_name_the_call_in_program_order(auto_mesh):
     with pytest.raises(jaxshard.ShardingError) as e:
         jax.jit(decoder)(x, ws)
     lines = str(e.value).splitlines()
-    assert "in program order: the first is the likely cause" in lines[0]
-    found = [re.search(r"block #(\d) of 8", line) for line in lines[1:]]
-    assert all(found), lines
-    calls = [int(m.group(1)) for m in found]
+    assert lines[0] == "3 sharding contracts violated in jit(decoder), found when " + (
+        "XLA compiled it."
+    )
+    # The weight laid out unlike its siblings, by its path, first.
+    assert lines[1].startswith("The likely cause, among the program's inputs")
+    assert lines[2] == "- ws[4] is P('tp', None), where 7 of its siblings are " + (
+        "P(None, 'tp')."
+    )
+    # Then the violations in program order, each with its call.
+    found = [
+        re.search(r"block #(\d) of 8", line) for line in lines if "- test_" in line
+    ]
+    calls = [int(m.group(1)) for m in found if m]
     assert calls == sorted(calls) and 5 in calls
     assert any("block #5 of 8 (in test_jit.decoder), parameter 'w'" in x for x in lines)
     report = jaxshard.verify(

@@ -3,6 +3,8 @@ with logical rules, optax state and a jitted train step with shardings and donat
 their own code paths keep working with contracts on, and a mistake is traced to its
 cause."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -57,3 +59,50 @@ def test_linen_init_path_checks_no_dummy_batch():
             model.apply(variables, dummy)  # a real call: the batch must be split
         placed = jax.device_put(dummy, NamedSharding(mesh, P(("data", "fsdp"))))
         assert model.apply(variables, placed).shape == (BATCH, LENGTH, 64)
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_a_wrong_layer_is_named_by_its_weight(name):
+    """One layer's MLP weight named (linen, nnx) or placed (equinox) wrongly re-lays
+    the residual stream in every layer: the message names that weight by its path
+    first, then the first value laid out wrong, and summarises the rest in a line
+    per function."""
+    mesh = pod()
+    decoder = MAKERS[name](mesh, wrong_layer=1)
+    with jax.set_mesh(mesh), jaxshard.axis_rules(RULES):
+        with pytest.raises(jaxshard.ShardingError) as caught:
+            decoder.step(decoder.state, decoder.batch)
+    lines = str(caught.value).splitlines()
+    assert lines[0].endswith("violated in jit(train_step), found when XLA compiled it.")
+    assert lines[1].startswith("The likely cause, among the program's inputs")
+    weight = {
+        "linen": "state.params['LinenBlock_1']['LinenMlp_0']['Dense_0']['kernel']",
+        "nnx": "state[0]['blocks'][1]['mlp']['up']",
+        "equinox": "state[0].blocks[1].mlp.up",
+    }[name]
+    assert lines[2] == (
+        f"- {weight} is P('tensor', 'fsdp'), where 3 of its siblings are "
+        "P('fsdp', 'tensor')."
+    )
+    assert ".value" not in str(caught.value)
+    summary = [line for line in lines if "laid out the same way" in line]
+    assert len(summary) == 1 and "may follow from it" in summary[0]
+    assert len(lines) < 20 and max(map(len, lines[:3])) < 200
+
+
+def test_the_first_wrong_value_points_at_where_it_was_made():
+    """Without a weight to blame (the embedding's output left unconstrained), the
+    first value laid out wrong says which function made it."""
+    mesh = pod()
+    decoder = make_nnx(mesh, constrain=False)
+    with jax.set_mesh(mesh), jaxshard.axis_rules(RULES):
+        with pytest.raises(jaxshard.ShardingError) as caught:
+            decoder.step(decoder.state, decoder.batch)
+    lines = str(caught.value).splitlines()
+    assert lines[1].startswith("The likely cause, the first value laid out wrong")
+    assert "made by NnxDecoder.__call__, whose own parameters conform" in lines[1]
+    assert "NnxBlock.__call__ #1 of 4" in lines[2] and "parameter 'x'" in lines[2]
+    # (How far XLA carries the layout differs a little from jax to jax.)
+    assert re.match(r"\d+ more values are laid out the same way", lines[3])
+    assert lines[4] == "- NnxMlp.__call__ #1–#4: parameter 'x', the return value"
+    assert re.fullmatch(r"- NnxBlock.__call__ #\d–#\d: the return value", lines[5])

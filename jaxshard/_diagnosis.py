@@ -1,0 +1,257 @@
+"""From a program's violated contracts to their likely cause.
+
+One wrong layout usually breaks many contracts: XLA propagates it through every layer
+that follows (and, on Auto axes, back through those before). `report` picks the
+likely cause, says why it is the likely one, and summarises the violations that
+follow the same layout instead of repeating each in full.
+
+The likely cause is the first value laid out wrong, in program order, and where it was
+made: a parameter of a call was made by its caller, whose own parameters (checked
+before) conform; a return value was made inside its function, whose parameters
+conform. Where the layouts of the program's inputs are known (`jaxshard.verify`,
+`jaxshard.checked`), a weight laid out unlike its siblings in the other layers comes
+first (`siblings`).
+"""
+
+import inspect
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ._spec import format_spec
+
+
+def _short(function: Any) -> str:
+    return str(getattr(function, "qualname", function))
+
+
+def _layout(violation: Any) -> tuple[str, str]:
+    """The layout a violation found and the one expected, as specs."""
+    actual = violation.actual
+    ndim = len(violation.site.shape)
+    if isinstance(actual, NamedSharding):
+        found = PartitionSpec(*actual.spec, *[None] * (ndim - len(actual.spec)))
+        return format_spec(found), format_spec(violation.site.spec)
+    return repr(actual), format_spec(violation.site.spec)
+
+
+def _value(name: str | None) -> str:
+    return "the return value" if name == "return" else f"parameter {name!r}"
+
+
+def _calls(numbers: dict, site: Any) -> tuple[str, int]:
+    """`(function, k)`: the innermost jaxtyped call of `site`, and which call of it."""
+    if not site.calls:
+        return _short(site.function), 1
+    function, token = site.calls[-1]
+    return _short(function), numbers.get(token, (1, 1))[0]
+
+
+def _numbers(ks: Iterable[int]) -> str:
+    """`#1–#4`, `#1, #3`."""
+    ks = sorted(set(ks))
+    runs: list[list[int]] = []
+    for k in ks:
+        if runs and k == runs[-1][-1] + 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return ", ".join(f"#{r[0]}" if len(r) == 1 else f"#{r[0]}–#{r[-1]}" for r in runs)
+
+
+def _why(first: Any, sites: list, numbers: dict) -> str:
+    """Where the first value laid out wrong was made."""
+    site = first.site
+    before = [s for s in sites if s.order < site.order]
+    if site.name == "return":
+        token = site.calls[-1][1] if site.calls else None
+        own = [
+            s for s in before if s.calls and s.calls[-1][1] == token and s is not site
+        ]
+        conform = "conform" if own else "state no layout"
+        return (
+            f"made inside {first.call.split(' (in ')[0]}, whose parameters {conform}: "
+            "the layout changes there, in an operation or a weight it uses"
+        )
+    if len(site.calls) >= 2:
+        function, token = site.calls[-2]
+        k, n = numbers.get(token, (1, 1))
+        caller = _short(function) + (f" #{k} of {n}" if n > 1 else "")
+        own = [s for s in before if s.calls and s.calls[-1][1] == token]
+        conform = "conform" if own else "state no layout"
+        return (
+            f"made by {caller}, whose own parameters {conform}, and passed on: the "
+            "layout changes in its code before that call"
+        )
+    return "given to the program laid out so: look at what is passed in"
+
+
+def report(violations: list, sites: list, head: str, inputs: list = ()) -> str:
+    """The message for the violations of one program (in program order, each with
+    its call described): `head`, the likely cause in full, then the rest. `inputs`
+    are the program's input arrays, `(path, array)`: one laid out unlike its
+    siblings comes first."""
+    from ._sharding import call_numbers
+
+    numbers = call_numbers(sites + [v.site for v in violations])
+    first, rest = violations[0], violations[1:]
+    odd = outliers_note(siblings(inputs))
+    lines = [head + ("." if rest or odd else ":")]
+    if odd:
+        lines.append(odd)
+    if not rest and not odd:
+        return "\n".join([*lines, f"- {first}"])
+    lines.append(
+        f"{'The first' if odd else 'The likely cause, the first'} value laid out "
+        f"wrong in program order ({_why(first, sites, numbers)}):"
+    )
+    lines.append(f"- {first}")
+    layout = _layout(first)
+    same = [v for v in rest if _layout(v) == layout]
+    other = [v for v in rest if _layout(v) != layout]
+    if same:
+        found, expected = layout
+        lines.append(
+            f"{len(same)} more {'values are' if len(same) > 1 else 'value is'} laid "
+            f"out the same way, {found} where the annotation expects {expected}, and "
+            "may follow from it:"
+        )
+        lines += _grouped(same, numbers)
+    if other:
+        lines.append(
+            f"{len(other)} more {'values are' if len(other) > 1 else 'value is'} laid "
+            "out otherwise:"
+        )
+        lines += [f"- {v}" for v in other]
+    return "\n".join(lines)
+
+
+def _grouped(violations: list, numbers: dict) -> list[str]:
+    """`- Mlp.__call__ #1–#4: parameter 'x', the return value`, a line per
+    function, in the order they first appear."""
+    by_function: dict[str, dict[str, list[int]]] = {}
+    for v in violations:
+        function, k = _calls(numbers, v.site)
+        names = by_function.setdefault(function, {})
+        names.setdefault(_value(v.site.name), []).append(k)
+    out = []
+    for function, names in by_function.items():
+        parts: dict[str, list[str]] = {}
+        for name, ks in names.items():
+            parts.setdefault(_numbers(ks), []).append(name)
+        for ks, values in parts.items():
+            several = any(n > 1 for _, n in numbers.values())
+            at = f" {ks}" if several and ks != "#1" else ""
+            out.append(f"- {function}{at}: {', '.join(values)}")
+    return out
+
+
+# --- weights laid out unlike their siblings -----------------------------------------
+
+_PART = re.compile(r"\['[^']*'\]|\[\d+\]|\.\w+|[^.\[]+")
+_NUMBER = re.compile(r"(?<=_)\d+(?=')|(?<=\[)\d+(?=\])|(?<=_)\d+$")
+
+
+def _numbered(path: str) -> list[tuple[int, str]]:
+    """`(position, the path with that part's number as #)` for each numbered part
+    of `path`: `['block_2']`, `[2]`, `.layer_2`."""
+    parts = _PART.findall(path)
+    out = []
+    for i, part in enumerate(parts):
+        if _NUMBER.search(part):
+            wild = parts[:i] + [_NUMBER.sub("#", part, count=1)] + parts[i + 1 :]
+            out.append((i, "".join(wild)))
+    return out
+
+
+def siblings(leaves: Iterable[tuple[str, Any]]) -> list[tuple[str, str, str, int]]:
+    """`(path, its spec, its siblings' spec, how many agree)` for each array laid out
+    unlike the arrays of its shape whose paths differ from its in one number (the
+    same weight in the other layers), where at least two of them agree and it agrees
+    with the majority along no other numbered part of its path (the output
+    projection, among a layer's numbered projections, is laid out as itself in every
+    layer). `leaves` are `(path, array)`; arrays without a `NamedSharding` are left
+    out."""
+    specs: dict[str, tuple[str, tuple]] = {}
+    for path, leaf in leaves:
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            continue
+        shape = tuple(getattr(leaf, "shape", ()))
+        entries = [*sharding.spec, *[None] * (len(shape) - len(sharding.spec))]
+        specs[path] = (format_spec(PartitionSpec(*entries)), shape)
+    groups: dict[tuple, list[str]] = {}
+    for path, (_, shape) in specs.items():
+        for i, wild in _numbered(path):
+            groups.setdefault((i, wild, shape), []).append(path)
+    verdicts: dict[str, list[tuple[bool, str, int]]] = {}
+    for members in groups.values():
+        if len(members) < 3:
+            continue
+        counts: dict[str, int] = {}
+        for path in members:
+            counts[specs[path][0]] = counts.get(specs[path][0], 0) + 1
+        common, most = max(counts.items(), key=lambda kv: kv[1])
+        if most < 2 or most * 2 <= len(members):
+            continue  # no clear majority
+        for path in members:
+            verdicts.setdefault(path, []).append(
+                (specs[path][0] == common, common, most)
+            )
+    out = []
+    for path, found in verdicts.items():
+        if any(agrees for agrees, _, _ in found):
+            continue
+        _, common, most = found[0]
+        out.append((path, specs[path][0], common, most))
+    return out
+
+
+def paths(tree: Any, root: str) -> list[tuple[str, Any]]:
+    """`(path, leaf)` for each array of `tree`, named from `root`."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    # A flax box or nnx Variable holds its array in `.value`: the path ends before.
+    return [
+        ((root + jax.tree_util.keystr(p)).removesuffix(".value"), leaf)
+        for p, leaf in leaves
+    ]
+
+
+def inputs_of(call: tuple | None) -> list[tuple[str, Any]]:
+    """`(path, array)` for each array argument of a call `(function, args,
+    kwargs)`, named by the function's parameters (`state.params['w']`)."""
+    if call is None:
+        return []
+    function, args, kwargs = call
+    try:
+        bound = inspect.signature(function).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        bound = {f"args[{i}]": a for i, a in enumerate(args)} | dict(kwargs)
+    out = []
+    for name, value in bound.items():
+        try:
+            out += paths(value, name)
+        except Exception:  # noqa: BLE001: a value jax cannot flatten names nothing
+            continue
+    return out
+
+
+def outliers_note(found: list[tuple[str, str, str, int]], shown: int = 3) -> str:
+    """The likely cause among the program's inputs, in words; "" if there is
+    none."""
+    if not found:
+        return ""
+    lines = [
+        "The likely cause, among the program's inputs: laid out unlike the same "
+        "weight in the other layers:"
+    ]
+    for path, spec, common, count in found[:shown]:
+        lines.append(f"- {path} is {spec}, where {count} of its siblings are {common}.")
+    if len(found) > shown:
+        lines.append(
+            f"- and {len(found) - shown} more alike (its optimizer state, say)."
+        )
+    return "\n".join(lines)
