@@ -62,7 +62,9 @@ def _with_notes(checked, fn):
             if not notes or isinstance(e, ShardingError):
                 raise
             error = ShardingError if any(n[3] for n in notes) else TypeCheckError
-            raise error(f"{e}\n{_details(notes)}") from e.__cause__
+            # One exception whose message stands alone: jaxtyping's, with what
+            # the sharding was; not beartype's and jaxtyping's chained under it.
+            raise error(f"{e}\n{_details(notes)}") from None
         finally:
             _notes.frames.pop()
 

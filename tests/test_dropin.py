@@ -1,6 +1,7 @@
 """`jaxshard.jaxtyped` as a drop-in for `jaxtyping.jaxtyped`."""
 
 import dataclasses
+import sys
 import typing
 
 import beartype
@@ -218,18 +219,22 @@ def test_lazy_names():
 def test_import_hook_with_jaxshards_names(tmp_path, monkeypatch):
     """`jaxshard.install_import_hook` checks a module's annotations, sharded ones
     included."""
-    (tmp_path / "hooked_module.py").write_text(
+    # A module name of its own: test_annotations imports another `hooked_module`.
+    (tmp_path / "hooked_by_name.py").write_text(
         "import jax\n"
         "from jaxshard import Float\n"
         "def f(x: Float[jax.Array, 'n']) -> Float[jax.Array, 'n']:\n"
         "    return x\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    with jaxshard.install_import_hook("hooked_module", "beartype.beartype"):
-        import hooked_module
-    hooked_module.f(jnp.ones(3))
-    with pytest.raises(jaxtyping.TypeCheckError):
-        hooked_module.f(jnp.ones((3, 2)))
+    with jaxshard.install_import_hook("hooked_by_name", "beartype.beartype"):
+        import hooked_by_name
+    try:
+        hooked_by_name.f(jnp.ones(3))
+        with pytest.raises(jaxtyping.TypeCheckError):
+            hooked_by_name.f(jnp.ones((3, 2)))
+    finally:
+        sys.modules.pop("hooked_by_name")
 
 
 def test_ipython_extension_is_jaxtypings():
