@@ -21,15 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
-from . import _config, _torch
+from . import _config, _diagnosis, _torch
 from ._check_frames import _compiled, _frames, Frame
 from ._check_mesh import _statistics
 from ._check_records import _fallback, _generation, _record, deferred_scopes, Scope
 from ._check_sites import _format, CheckError, Failure, Site
 from ._check_state import _encode, _INITIAL, COUNT, ELEMENT, Item
 from ._check_stats import _manual_axes
-from ._errors import expect, expect_callable
-from ._jax_internals import in_trace
+from ._errors import expect, expect_callable, ShardingError
+from ._jax_internals import in_trace, jit_parameters
 
 
 def _caller() -> tuple[str, int]:
@@ -120,13 +120,18 @@ def checked(fn: Callable) -> Callable:
                 "jax.jit?). Call the checked function from outside jit, or put the "
                 "jit inside: jaxshard.checked(jax.jit(f))."
             )
-        if compiled is not None:
-            # No scope to set: the program sets its own while it is traced, and an
-            # unchanged context keeps the call on jit's fast path.
-            return scope.run_compiled(compiled, checks, args, kwargs)
-        scope.begin_call(args, kwargs)
-        with _config.overriding(check_scope=scope):
-            out = fn(*args, **kwargs)
+        try:
+            if compiled is not None:
+                # No scope to set: the program sets its own while it is traced, and
+                # an unchanged context keeps the call on jit's fast path.
+                return scope.run_compiled(compiled, checks, args, kwargs)
+            scope.begin_call(args, kwargs)
+            with _config.overriding(check_scope=scope):
+                out = fn(*args, **kwargs)
+        except ValueError as e:
+            if not _diagnosis.is_jit_mismatch(e):
+                raise
+            raise ShardingError(_jit_mismatch(scope.name, fn, args, kwargs)) from None
         if checks == "raise":
             failures = scope.take_failures(deferred=False)
             if failures:
@@ -147,6 +152,16 @@ def checked(fn: Callable) -> Callable:
         wrapper.lower = lower  # pyright: ignore[reportAttributeAccessIssue]
     wrapper.scope = scope  # pyright: ignore[reportAttributeAccessIssue]
     return wrapper
+
+
+def _jit_mismatch(name: str, fn: Callable, args: tuple, kwargs: dict) -> str:
+    """jit's refusal of an argument laid out otherwise than its in_shardings, as a
+    message naming the argument by its path."""
+    params = jit_parameters(fn) or {}
+    function = params.get("fun", fn)
+    shardings = params.get("in_shardings")
+    what = f"jaxshard.checked({name})"
+    return _diagnosis.jit_mismatch(what, function, shardings, args, kwargs)
 
 
 def flush_checks() -> None:

@@ -255,3 +255,79 @@ def outliers_note(found: list[tuple[str, str, str, int]], shown: int = 3) -> str
             f"- and {len(found) - shown} more alike (its optimizer state, say)."
         )
     return "\n".join(lines)
+
+
+# --- jit's in_shardings against the arguments ---------------------------------------
+
+_JIT_MISMATCH = "Sharding passed to jit does not match the sharding"
+
+
+def is_jit_mismatch(error: BaseException) -> bool:
+    """Whether `error` is JAX's refusal of an argument whose sharding is not the
+    one jit's `in_shardings` gives it."""
+    return isinstance(error, ValueError) and _JIT_MISMATCH in str(error)
+
+
+def jit_mismatch(what: str, function: Any, shardings: Any, args: tuple, kwargs) -> str:
+    """What jit's refusal means: each argument laid out unlike its `in_shardings`
+    (`shardings`, a tuple with one tree per positional parameter), by its path,
+    and a weight unlike its siblings if one is."""
+    call = inputs_of((function, args, kwargs))
+    named = dict(call)
+    wrong = []
+    for (_, expected), (path, given) in zip(_given(shardings, args), call):
+        if expected is None or given is None or not hasattr(given, "sharding"):
+            continue
+        actual = given.sharding
+        committed = getattr(given, "committed", True)
+        if committed and not actual.is_equivalent_to(expected, given.ndim):
+            wrong.append((path, _spec(expected, given.ndim), _spec(actual, given.ndim)))
+    lines = [
+        f"{what}: jax.jit's in_shardings lay out {len(wrong) or 'an'} argument"
+        f"{'s' if len(wrong) != 1 else ''} otherwise than the array"
+        f"{'s' if len(wrong) != 1 else ''} passed, committed to "
+        f"{'their' if len(wrong) != 1 else 'its'} own layout:"
+    ]
+    lines += [
+        f"- {path}: in_shardings say {spec}, the array is {found}."
+        for path, spec, found in wrong[:8]
+    ]
+    if len(wrong) > 8:
+        lines.append(f"- and {len(wrong) - 8} more.")
+    odd = outliers_note(siblings(named.items()))
+    if odd:
+        lines.append(odd)
+    lines.append(
+        "Place each as the in_shardings say (`jax.device_put(x, sharding)`) before "
+        "the call, or give the in_shardings the layout the arrays have."
+    )
+    return "\n".join(lines)
+
+
+def _spec(sharding: Any, ndim: int) -> str:
+    if isinstance(sharding, NamedSharding):
+        entries = [*sharding.spec, *[None] * (ndim - len(sharding.spec))]
+        return format_spec(PartitionSpec(*entries))
+    return repr(sharding)
+
+
+def _given(shardings: Any, args: tuple) -> list[tuple[str, Any]]:
+    """`(path, sharding or None)` for each array leaf of the positional `args`, in
+    the order `inputs_of` gives them, from `shardings` (a tree prefix of the
+    arguments)."""
+    out: list[tuple[str, Any]] = []
+    is_leaf = lambda x: x is None or isinstance(x, jax.sharding.Sharding)  # noqa: E731
+
+    def each(_: Any, sharding: Any, subtree: Any) -> None:
+        for _leaf in jax.tree_util.tree_leaves(subtree):
+            out.append(("", sharding))
+
+    if not isinstance(shardings, (tuple, list)):
+        shardings = (shardings,) * len(args)  # one for every argument
+    try:
+        jax.tree_util.tree_map_with_path(
+            each, tuple(shardings), tuple(args), is_leaf=is_leaf
+        )
+    except (ValueError, TypeError):
+        return []
+    return out

@@ -106,3 +106,37 @@ def test_the_first_wrong_value_points_at_where_it_was_made():
     assert re.match(r"\d+ more values are laid out the same way", lines[3])
     assert lines[4] == "- NnxMlp.__call__ #1–#4: parameter 'x', the return value"
     assert re.fullmatch(r"- NnxBlock.__call__ #\d–#\d: the return value", lines[5])
+
+
+WEIGHTS = {
+    "linen": "state.params['LinenBlock_1']['LinenMlp_0']['Dense_0']['kernel']",
+    "nnx": "state[0]['blocks'][1]['mlp']['up']",
+    "equinox": "state[0].blocks[1].mlp.up",
+}
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_a_weight_placed_against_in_shardings_is_named(name):
+    """jit's own refusal of an argument laid out otherwise than its in_shardings
+    becomes a ShardingError naming the argument by its path, through `checked`."""
+    mesh = pod()
+    decoder = MAKERS[name](mesh)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(decoder.state)
+    wrong = WEIGHTS[name].removeprefix("state")
+    values = [
+        jax.device_put(x, NamedSharding(mesh, P("tensor", "fsdp")))
+        if jax.tree_util.keystr(path).removesuffix(".value") == wrong
+        else x
+        for path, x in leaves
+    ]
+    state = jax.tree_util.tree_unflatten(tree, values)
+    with jax.set_mesh(mesh), jaxshard.axis_rules(RULES):
+        with pytest.raises(jaxshard.ShardingError) as caught:
+            jaxshard.checked(decoder.step)(state, decoder.batch)
+    lines = str(caught.value).splitlines()
+    assert "in_shardings lay out 1 argument otherwise" in lines[0]
+    assert lines[1] == (
+        f"- {WEIGHTS[name]}: in_shardings say P('fsdp', 'tensor'), the array is "
+        "P('tensor', 'fsdp')."
+    )
+    assert caught.value.__cause__ is None
