@@ -102,8 +102,9 @@ def report(violations: list, sites: list, head: str, inputs: list = ()) -> str:
     lines = [head + ("." if rest or odd else ":")]
     if odd:
         lines.append(odd)
+    notes = list(dict.fromkeys(v.site.note for v in violations if v.site.note))
     if not rest and not odd:
-        return "\n".join([*lines, f"- {first}"])
+        return "\n".join([*lines, f"- {first}", *notes])
     lines.append(
         f"{'The first' if odd else 'The likely cause, the first'} value laid out "
         f"wrong in program order ({_why(first, sites, numbers)}):"
@@ -126,7 +127,7 @@ def report(violations: list, sites: list, head: str, inputs: list = ()) -> str:
             "out otherwise:"
         )
         lines += [f"- {v}" for v in other]
-    return "\n".join(lines)
+    return "\n".join(lines + notes)
 
 
 def _grouped(violations: list, numbers: dict) -> list[str]:

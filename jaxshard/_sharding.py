@@ -12,6 +12,7 @@ import dataclasses
 import functools as ft
 import itertools
 import math
+import sys
 import threading
 import typing
 from collections.abc import Iterator
@@ -334,7 +335,9 @@ def _check_traced(annotation, x, named: Any) -> str:
             reason = compare(annotation.spec, aval.sharding, aval.shape, aval.dtype)
             if reason:
                 reason = _phrase(describe_array(aval.dtype, aval.shape), reason)
-            return _verdict(annotation, named, aval, _with_rules(reason, annotation))
+                reason = _with_rules(reason, annotation)
+                reason = f"{reason} {no_mesh_note()}".rstrip()
+            return _verdict(annotation, named, aval, reason)
     return _add_probe(annotation, x, aval, named)
 
 
@@ -446,6 +449,7 @@ class Site:
     calls: tuple = ()  # the jaxtyped calls around the check, outermost first
     value: int = 0  # which traced value was checked (its id, while traced)
     rules: str = ""  # how the axis rules resolved a logical spec, at trace time
+    note: str = ""  # what was off when it was traced (`no_mesh_note`)
 
 
 _orders = itertools.count(1)
@@ -545,6 +549,20 @@ def _site(annotation, x, aval, recorder=None) -> Site:
         calls=calls,
         value=id(x),
         rules=annotation.explain() if hasattr(annotation, "explain") else "",
+        note=no_mesh_note(),
+    )
+
+
+def no_mesh_note() -> str:
+    """While a program that uses flax is traced with no mesh in context, flax's
+    logical constraints do nothing: say so, since a contract may fail for that."""
+    if "flax.linen" not in sys.modules or context_mesh() is not None:
+        return ""
+    return (
+        "No mesh was in context (`jax.set_mesh`) when the program was traced, so "
+        "flax's `nn.with_logical_constraint` and the constraints of "
+        "`nn.with_logical_partitioning` did nothing in it: call it inside `with "
+        "jax.set_mesh(mesh):`."
     )
 
 

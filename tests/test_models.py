@@ -140,3 +140,19 @@ def test_a_weight_placed_against_in_shardings_is_named(name):
         "P('tensor', 'fsdp')."
     )
     assert caught.value.__cause__ is None
+
+
+def test_no_mesh_in_context_is_said():
+    """Outside `jax.set_mesh`, flax's logical constraints do nothing, and the
+    residual stream is laid out as lm1b's was: the message says what was off."""
+    mesh = pod()
+    decoder = make_linen(mesh)
+    with nn.logical_axis_rules(RULES):
+        with pytest.raises(jaxshard.ShardingError) as caught:
+            jax.jit(decoder.loss)(decoder.state, decoder.batch)
+        with jax.set_mesh(mesh):
+            assert jnp.isfinite(jax.jit(decoder.loss)(decoder.state, decoder.batch))
+    lines = str(caught.value).splitlines()
+    assert "made by LinenDecoder.__call__" in lines[1]
+    assert lines[-1].startswith("No mesh was in context (`jax.set_mesh`)")
+    assert "nn.with_logical_constraint" in lines[-1]
