@@ -137,6 +137,7 @@ class Report:
     compiled: Any = dataclasses.field(repr=False, compare=False)
     inputs: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     outputs: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    notes: tuple[str, ...] = ()  # what was left out of the program, and why
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the report's golden snapshot to `path` (JSON): every input's and
@@ -289,6 +290,7 @@ class Report:
         if self.flops is not None:
             lines.append(f"FLOPs per device: {self.flops:.3g}.")
         lines += _describe_collectives(self.collectives)
+        lines += self.notes
         return "\n".join(lines)
 
 

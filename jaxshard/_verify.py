@@ -267,23 +267,16 @@ def verify(
         return out if module is None else _torch.to_jax(out)
 
     program.__name__ = program.__qualname__ = name.rsplit(".", 1)[-1]
-    recorder = Recorder(qualname)
-    with (
-        jax.set_mesh(mesh),
-        _config.overriding(sharding="check", recorder=recorder),
-    ):
-        try:
-            compiled = jax.jit(program).lower(traced).compile()
-        except Exception as e:
-            if is_sharding_type_error(e):
-                raise ModelError(_sharding_type_error(name, mesh, e)) from e
-            if "CustomSPMDPartitioning" in str(e):
-                raise ModelError(_no_custom_partitioning(name, mesh)) from e
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            # XLA's TPU compiler refuses a program that cannot fit in HBM.
-            compiled = None
-            refused = str(e).split("RESOURCE_EXHAUSTED:", 1)[-1].strip()
+    recorder, notes = Recorder(qualname), ()
+    try:
+        compiled, refused = _compile(program, traced, mesh, recorder, name)
+    except _NoCustomPartitioning:
+        # XLA's TPU compiler, loaded for a topology here, cannot partition the
+        # value checks of Auto axes: the program is compiled without them, and the
+        # report says so. Contracts, memory and collectives are the program's.
+        recorder, notes = Recorder(qualname), (_checks_compiled_out(mesh),)
+        with _config.overriding(checks="off"):
+            compiled, refused = _compile(program, traced, mesh, recorder, name)
     if compiled is None:
         found, memory, inputs, outputs = (), None, {}, {}
         budget = (_does_not_fit(refused),)
@@ -304,6 +297,7 @@ def verify(
         compiled=compiled,
         inputs=inputs,
         outputs=outputs,
+        notes=notes,
     )
     report.__dict__["collectives"] = found  # what the cached property would compute
     if golden is not None:
@@ -341,17 +335,40 @@ def _sharding_type_error(name: str, mesh: Mesh, error: Exception) -> str:
     )
 
 
-def _no_custom_partitioning(name: str, mesh: Mesh) -> str:
-    """Why a program with custom-partitioned operations does not compile here."""
+class _NoCustomPartitioning(Exception):
+    """XLA's compiler refused a program with custom-partitioned operations."""
+
+
+def _compile(program, traced, mesh, recorder, name: str) -> tuple[Any, str]:
+    """`(compiled, "")`, or `(None, why)` for a program XLA's TPU compiler refuses
+    for not fitting in HBM; JAX's refusal of an operation is a `ModelError`."""
+    with (
+        jax.set_mesh(mesh),
+        _config.overriding(sharding="check", recorder=recorder),
+    ):
+        try:
+            return jax.jit(program).lower(traced).compile(), ""
+        except Exception as e:
+            if is_sharding_type_error(e):
+                raise ModelError(_sharding_type_error(name, mesh, e)) from e
+            if "CustomSPMDPartitioning" in str(e) and _config.current().checks != "off":
+                raise _NoCustomPartitioning from e
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            # XLA's TPU compiler refuses a program that cannot fit in HBM.
+            return None, str(e).split("RESOURCE_EXHAUSTED:", 1)[-1].strip()
+
+
+def _checks_compiled_out(mesh: Mesh) -> str:
+    """What the report says of value checks compiled out."""
     return (
-        f"jaxshard.verify({name}): XLA's compiler for mesh {describe_mesh(mesh)} "
-        f"({describe_devices(mesh)}) does not call back JAX's custom partitioning "
-        "(`jax.experimental.custom_partitioning`), as XLA's TPU compiler does not "
-        "when loaded for a topology on a machine without TPUs. jaxshard's value "
-        "checks (`jaxshard.check`, `check_finite`, ...) use it on Auto mesh axes. "
-        'Verify with them off (`with jaxshard.config(checks="off"):`), or on '
-        'Explicit axes (`jaxshard.tpu_mesh(..., axis_types="explicit")`; '
-        "`--axis-types explicit`), where they need no callback."
+        "The value checks (`jaxshard.check`, `check_finite`, ...) were compiled out: "
+        "on the Auto axes of mesh "
+        f"{describe_mesh(mesh)} ({describe_devices(mesh)}) they are partitioned by "
+        "JAX's custom partitioning, which XLA's TPU compiler does not call back when "
+        "loaded for a topology on a machine without TPUs. The sharding contracts, "
+        "memory and collectives are those of the program without them; on Explicit "
+        'axes (`axis_types="explicit"`) they are compiled in.'
     )
 
 

@@ -107,11 +107,11 @@ def test_check_finite_survives_the_tpu_compiler(tpu_topology, dtype):
     assert "is-finite" in text and "all-reduce" in text, text
 
 
-def test_value_checks_on_auto_axes_of_a_topology_say_how_to_verify(tpu_topology):
+def test_value_checks_on_auto_axes_of_a_topology_are_compiled_out(tpu_topology):
     """XLA's TPU compiler, loaded for a topology without TPUs, does not call back
-    JAX's custom partitioning, which value checks use on Auto axes: `verify` says
-    so and how to verify instead (checks off, or Explicit axes), rather than
-    passing on XLA's error."""
+    JAX's custom partitioning, which value checks use on Auto axes: `verify`
+    compiles a step with checks as it is, without them, and says so; contracts,
+    memory and collectives are those of the step without checks."""
 
     @checked
     def f(x: Float[Array, "b d", P("dp")]) -> Float[Array, "b d", P("dp")]:
@@ -120,11 +120,15 @@ def test_value_checks_on_auto_axes_of_a_topology_say_how_to_verify(tpu_topology)
 
     dims = {"b": 512, "d": 512}
     mesh = tpu_topology("v5e:2x2", {"dp": 2, "tp": 2})
-    with pytest.raises(jaxshard.ModelError, match="custom partitioning") as e:
-        jaxshard.verify(f, mesh=mesh, dims=dims)
-    assert 'checks="off"' in str(e.value) and 'axis_types="explicit"' in str(e.value)
+    report = jaxshard.verify(f, mesh=mesh, dims=dims)
+    assert report.ok and len(report.rows) == 2
+    (note,) = report.notes
+    assert "value checks" in note and "compiled out" in note
+    assert note in str(report)
     with jaxshard.config(checks="off"):
-        assert jaxshard.verify(f, mesh=mesh, dims=dims).ok
+        quiet = jaxshard.verify(f, mesh=mesh, dims=dims)
+    assert quiet.notes == () and quiet.memory == report.memory
+    assert quiet.collectives == report.collectives
     explicit = tpu_topology("v5e:2x2", {"dp": 2, "tp": 2}, axis_types="explicit")
     report = jaxshard.verify(f, mesh=explicit, dims=dims)
     assert report.ok and len(report.collectives) == 1  # the checks' all-reduce
