@@ -46,16 +46,35 @@ class Collective:
     lineno: int | None
     function: str | None
     op_name: str
+    # The frames of the user's code it was made in, innermost first:
+    # `(filename, line, function)`, up to the verified function.
+    chain: tuple[tuple[str, int, str], ...] = dataclasses.field(
+        default=(), compare=False
+    )
 
     @property
     def where(self) -> str:
-        """`model.py:12 (forward)`, the path relative to the working directory when
-        under it; or JAX's op name when no line is known."""
+        """`model.py:95 (einsum) ← :120 (attention) ← :131 (block)`: the line of the
+        user's code it came from and the calls that led there (paths relative to the
+        working directory when under it); or JAX's op name, saying so, when no line
+        of the user's code made it."""
         if self.filename is None:
-            return self.op_name or "(unknown)"
-        path = os.path.relpath(self.filename)
-        path = self.filename if path.startswith(os.pardir) else path
-        return f"{path}:{self.lineno} ({self.function})"
+            if not self.op_name:
+                return "(made by XLA, in no line of your code)"
+            return f"{self.op_name} (in no line of your code)"
+        frames = self.chain or ((self.filename, self.lineno, self.function),)
+        parts, last = [], None
+        for filename, lineno, function in frames[:4]:
+            path = _relative(filename)
+            shown = f"{path}:{lineno}" if path != last else f":{lineno}"
+            parts.append(f"{shown} ({function})")
+            last = path
+        return " ← ".join(parts)
+
+
+def _relative(filename: str) -> str:
+    path = os.path.relpath(filename)
+    return filename if path.startswith(os.pardir) else path
 
 
 _DTYPE_BYTES = {
@@ -145,6 +164,63 @@ def _is_user_code(filename: str) -> bool:
     return not os.path.abspath(filename).startswith(_LIBRARIES)
 
 
+# --- the user's frames, from the lowered module's locations --------------------------
+#
+# The compiled program's stack frame table keeps only part of each op's call chain
+# (XLA drops most parent links), so an op made inside a library (flax's constraint
+# on a weight, say) names no line of the user's code there. The lowered module's
+# debug locations keep the whole chain: `loc("jit(f)/.../dot_general"(#loc8))`,
+# `#loc8 = loc(callsite(#loc5 at #loc6))`, `#loc5 = loc("f"(#loc2))`,
+# `#loc2 = loc("model.py":6:11 to :21)`.
+
+_LOC = re.compile(r"^#(loc\d*) = loc\((.*)\)\s*$")
+_NAMED = re.compile(r'^"((?:[^"\\]|\\.)*)"\(#(loc\d*)\)$')
+_CALLSITE = re.compile(r"^callsite\(#(loc\d*) at #(loc\d*)\)$")
+_FILE = re.compile(r'^"((?:[^"\\]|\\.)*)":(\d+)')
+
+Frame = tuple[str, int, str]  # (filename, line, function)
+
+
+def user_frames_by_op(module_text: str) -> dict[str, tuple[Frame, ...]]:
+    """Op name -> the frames of the user's code it was made in, innermost first, from
+    a lowered module's text with debug info (`lowered.as_text(debug_info=True)`)."""
+    locs: dict[str, str] = {}
+    for line in module_text.splitlines():
+        m = _LOC.match(line)
+        if m:
+            locs[m[1]] = m[2]
+
+    def frames(key: str, depth: int = 0) -> list[Frame]:
+        body = locs.get(key, "unknown")
+        if depth > 500 or body == "unknown":
+            return []
+        m = _CALLSITE.match(body)
+        if m:
+            return frames(m[1], depth + 1) + frames(m[2], depth + 1)
+        m = _NAMED.match(body)
+        if m:
+            inner = _FILE.match(locs.get(m[2], ""))
+            if inner:  # a function's frame
+                return [(_unescape(inner[1]), int(inner[2]), _unescape(m[1]))]
+            return frames(m[2], depth + 1)
+        m = _FILE.match(body)
+        return [(_unescape(m[1]), int(m[2]), "?")] if m else []
+
+    out: dict[str, tuple[Frame, ...]] = {}
+    for key, body in locs.items():
+        m = _NAMED.match(body)
+        if not m or _FILE.match(locs.get(m[2], "")):
+            continue  # not an op's name
+        name = _unescape(m[1])
+        if name not in out:
+            out[name] = tuple(f for f in frames(m[2]) if _is_user_code(f[0]))
+    return out
+
+
+def _unescape(text: str) -> str:
+    return text.replace('\\"', '"').replace("\\'", "'").replace("\\\\", "\\")
+
+
 _IOTA = r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
 
 
@@ -203,8 +279,16 @@ def _axes(groups: list[list[int]] | None, mesh: Any) -> tuple[str, ...] | None:
     return tuple(mesh.axis_names[a] for a in sorted(spanned))
 
 
-def collectives(hlo_text: str, mesh: Any = None) -> tuple[Collective, ...]:
-    """Every collective in a compiled program's HLO text, in program order."""
+def collectives(
+    hlo_text: str, mesh: Any = None, chains: dict | None = None, root: str = ""
+) -> tuple[Collective, ...]:
+    """Every collective in a compiled program's HLO text, in program order.
+
+    `chains` (`user_frames_by_op` of the lowered module) gives each op's frames in
+    the user's code, cut after the frame of the function `root` (the function being
+    verified): the innermost of them is where a collective came from when the
+    compiled program's own frames name none (an op made inside flax, say)."""
+    chains = chains or {}
     types: dict[str, str] = {}
     found = []
     frames = None
@@ -232,6 +316,11 @@ def collectives(hlo_text: str, mesh: Any = None) -> tuple[Collective, ...]:
             source = re.search(r'source_file="([^"]*)" source_line=(\d+)', rest)
             if source and _is_user_code(source[1]):
                 where = (source[1], int(source[2]), "?")
+        # HLO text escapes quotes: `inputs[\\'table\\']`.
+        name = op_name[1].replace("\\'", "'") if op_name else ""
+        chain = _cut(chains.get(name, ()), root)
+        if where is None and chain:
+            where = chain[0]
         found.append(
             Collective(
                 kind=kind,
@@ -240,11 +329,21 @@ def collectives(hlo_text: str, mesh: Any = None) -> tuple[Collective, ...]:
                 filename=where[0] if where else None,
                 lineno=where[1] if where else None,
                 function=where[2] if where else None,
-                # HLO text escapes quotes: `inputs[\\'table\\']`.
-                op_name=op_name[1].replace("\\'", "'") if op_name else "",
+                op_name=name,
+                chain=chain if chain and chain[0] == where else (),
             )
         )
     return tuple(found)
+
+
+def _cut(chain: tuple[Frame, ...], root: str) -> tuple[Frame, ...]:
+    """`chain` up to the frame of the function `root` (its qualified name, or its
+    last part), which is kept."""
+    short = root.rsplit(".", 1)[-1]
+    for i, (_, _, function) in enumerate(chain):
+        if function in (root, short) or root.endswith("." + function):
+            return chain[: i + 1]
+    return chain
 
 
 def summary(found: tuple[Collective, ...]) -> dict[str, int]:

@@ -17,7 +17,7 @@ from . import _config, _torch
 from ._abstract import _bound_inputs
 from ._array_types import partition_spec
 from ._check_tree import check_partitioning, Partitioned
-from ._collectives import _is_user_code, collectives
+from ._collectives import _is_user_code, collectives, user_frames_by_op
 from ._decorator import checked_by_jaxshard
 from ._errors import (
     AnnotationError,
@@ -269,19 +269,19 @@ def verify(
     program.__name__ = program.__qualname__ = name.rsplit(".", 1)[-1]
     recorder, notes = Recorder(qualname), ()
     try:
-        compiled, refused = _compile(program, traced, mesh, recorder, name)
+        compiled, refused, chains = _compile(program, traced, mesh, recorder, name)
     except _NoCustomPartitioning:
         # XLA's TPU compiler, loaded for a topology here, cannot partition the
         # value checks of Auto axes: the program is compiled without them, and the
         # report says so. Contracts, memory and collectives are the program's.
         recorder, notes = Recorder(qualname), (_checks_compiled_out(mesh),)
         with _config.overriding(checks="off"):
-            compiled, refused = _compile(program, traced, mesh, recorder, name)
+            compiled, refused, chains = _compile(program, traced, mesh, recorder, name)
     if compiled is None:
         found, memory, inputs, outputs = (), None, {}, {}
         budget = (_does_not_fit(refused),)
     else:
-        found = collectives(compiled.as_text(), mesh)
+        found = collectives(compiled.as_text(), mesh, chains, qualname.qualname)
         memory = _memory(compiled, mesh)
         inputs = layouts(traced, compiled.input_shardings[0])
         outputs = layouts(compiled.out_info, compiled.output_shardings, "return")
@@ -339,15 +339,19 @@ class _NoCustomPartitioning(Exception):
     """XLA's compiler refused a program with custom-partitioned operations."""
 
 
-def _compile(program, traced, mesh, recorder, name: str) -> tuple[Any, str]:
-    """`(compiled, "")`, or `(None, why)` for a program XLA's TPU compiler refuses
-    for not fitting in HBM; JAX's refusal of an operation is a `ModelError`."""
+def _compile(program, traced, mesh, recorder, name: str) -> tuple[Any, str, dict]:
+    """`(compiled, "", chains)` (`chains`: each op's frames in the user's code), or
+    `(None, why, {})` for a program XLA's TPU compiler refuses for not fitting in
+    HBM; JAX's refusal of an operation is a `ModelError`."""
     with (
         jax.set_mesh(mesh),
         _config.overriding(sharding="check", recorder=recorder),
     ):
         try:
-            return jax.jit(program).lower(traced).compile(), ""
+            lowered = jax.jit(program).lower(traced)
+            # The lowered module's locations keep each op's whole call chain.
+            chains = user_frames_by_op(lowered.as_text(debug_info=True))
+            return lowered.compile(), "", chains
         except Exception as e:
             if is_sharding_type_error(e):
                 raise ModelError(_sharding_type_error(name, mesh, e)) from e
@@ -356,7 +360,7 @@ def _compile(program, traced, mesh, recorder, name: str) -> tuple[Any, str]:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             # XLA's TPU compiler refuses a program that cannot fit in HBM.
-            return None, str(e).split("RESOURCE_EXHAUSTED:", 1)[-1].strip()
+            return None, str(e).split("RESOURCE_EXHAUSTED:", 1)[-1].strip(), {}
 
 
 def _checks_compiled_out(mesh: Mesh) -> str:

@@ -61,7 +61,8 @@ def test_an_all_gather(auto_mesh):
     # jax 0.10.2 attributes the gather to the constraint's line; 0.12 gathers the
     # input where it enters, and names it so.
     if found.lineno is None:
-        assert "x" in found.op_name and found.where == found.op_name
+        assert "x" in found.op_name
+        assert found.where == f"{found.op_name} (in no line of your code)"
     else:
         assert found.lineno == line_of(gather, "with_sharding_constraint")
 
@@ -151,3 +152,36 @@ def test_bad_budgets(auto_mesh):
         jaxshard.verify(
             contract, mesh=auto_mesh, dims=dims, max_collectives={"all-gather": -1}
         )
+
+
+def project(a, b):
+    """A small helper around an einsum, as model code has."""
+    return jnp.einsum("bd,de->be", a, b)
+
+
+def attention(x, w):
+    return project(jnp.sin(x), w)  # a sum over "tp": an all-reduce
+
+
+def block(x, w):
+    return attention(x, w) + 1
+
+
+def layered(
+    x: Float[Array, "b d", P(None, "tp")], w: Float[Array, "d e", P("tp", None)]
+) -> Float[Array, "b e"]:
+    return block(x, w)
+
+
+def test_a_collective_shows_the_calls_that_led_to_it(auto_mesh):
+    """The innermost line of the user's code is a helper's: the chain of calls to
+    it shows which line of the model made the collective, up to the verified
+    function."""
+    dims = {"b": 64, "d": 32, "e": 16}
+    report = jaxshard.verify(layered, mesh=auto_mesh, dims=dims)
+    (found,) = [c for c in report.collectives if c.kind == "all-reduce"]
+    functions = [function for _, _, function in found.chain]
+    assert functions == ["project", "attention", "block", "layered"], found.chain
+    assert found.chain[1][1] == line_of(attention, "project(")
+    assert found.where.startswith("tests/test_collectives.py:")
+    assert " ← :" in found.where and "(attention)" in found.where
