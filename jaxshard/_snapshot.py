@@ -228,15 +228,16 @@ def _collectives(old: dict, new: dict, report: Any) -> list:
             continue
         added = Counter(b["axes"]) - Counter(a["axes"])
         removed = Counter(a["axes"]) - Counter(b["axes"])
+        # The places that are new: those of the functions with more of this kind
+        # than the snapshot's (all of this kind's, if none has more).
+        grown = Counter(b.get("functions", {})) - Counter(a.get("functions", {}))
         parts = []
         for axes, n in sorted(added.items()):
-            lines = sorted(
-                {
-                    c.where
-                    for c in report.collectives
-                    if c.kind == kind and _axes(c) == axes
-                }
-            )
+            these = [
+                c for c in report.collectives if c.kind == kind and _axes(c) == axes
+            ]
+            new_ones = [c for c in these if _function(c) in grown] or these
+            lines = sorted({c.where for c in new_ones})
             at = f", at {', '.join(lines[:3])}" if lines else ""
             more = f" and {len(lines) - 3} more places" if len(lines) > 3 else ""
             parts.append(f"{n} more over {axes}{at}{more}")

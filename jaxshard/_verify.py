@@ -288,6 +288,8 @@ def verify(
         budget = _budget_rows(
             found, max_collectives, max_collective_bytes, memory, hbm_budget
         ) + sharding_budget_rows(inputs, min_sharded_fraction, max_replicated_bytes)
+    # A budget is the verified function's.
+    budget = tuple(dataclasses.replace(r, function=qualname.qualname) for r in budget)
     report = Report(
         function=name,
         mesh=mesh,

@@ -323,3 +323,47 @@ def test_the_fixture(pytester, monkeypatch):
     ])  # fmt: skip
     run("jax.lax.with_sharding_constraint(x, P()) * 2", "--jaxshard-snapshot-update")
     run("jax.lax.with_sharding_constraint(x, P()) * 2").assert_outcomes(passed=1)
+
+
+def first(x, w):
+    return jnp.einsum("bd,de->be", x, w)  # a sum over "tp": an all-reduce
+
+
+def second(h, w):
+    return jnp.einsum("be,ef->bf", h, w)
+
+
+def two_layers(
+    x: Float[Array, "batch d", P("dp", "tp")],
+    w1: Float[Array, "d d", P("tp", None)],
+    w2: Float[Array, "d d", P(None, None)],
+) -> Float[Array, "batch d", P("dp", None)]:
+    return second(jax.lax.with_sharding_constraint(first(x, w1), P("dp", "tp")), w2)
+
+
+def two_layers_changed(
+    x: Float[Array, "batch d", P("dp", "tp")],
+    w1: Float[Array, "d d", P("tp", None)],
+    w2: Float[Array, "d d", P("tp", None)],
+) -> Float[Array, "batch d", P("dp", None)]:
+    return second(jax.lax.with_sharding_constraint(first(x, w1), P("dp", "tp")), w2)
+
+
+two_layers_changed.__name__ = two_layers_changed.__qualname__ = "two_layers"
+
+
+def test_a_difference_lists_the_new_places_only(auto_mesh, tmp_path):
+    """One more all-reduce, in `second`: the difference names that place, not the
+    places the snapshot already had."""
+    path = tmp_path / "two.json"
+    before = jaxshard.verify(two_layers, mesh=auto_mesh, dims=DIMS)
+    assert [c.function for c in before.collectives if c.kind == "all-reduce"] == [
+        "first"
+    ]
+    before.save(path)
+    after = jaxshard.verify(
+        two_layers_changed, mesh=auto_mesh, dims=DIMS, raise_on_error=False
+    )
+    (row,) = [r for r in after.compare(path) if r.name.endswith(": all-reduce")]
+    assert "1 more over tp" in row.reason and "(second)" in row.reason
+    assert "(first)" not in row.reason
