@@ -4,6 +4,7 @@ from its annotations, and report every sharding contract with what XLA chose."""
 import dataclasses
 import inspect
 import os
+import re
 import threading
 import traceback
 from collections.abc import Callable, Mapping
@@ -281,7 +282,13 @@ def verify(
         found, memory, inputs, outputs = (), None, {}, {}
         budget = (_does_not_fit(refused),)
     else:
-        found = collectives(compiled.as_text(), mesh, chains, qualname.qualname)
+        text = compiled.as_text()
+        found = collectives(text, mesh, chains, qualname.qualname)
+        if re.search(r"\bwhile\(", text):
+            notes += (
+                "FLOPs count each loop's body once, as XLA's cost analysis does: "
+                "for a model that scans its layers, one layer's.",
+            )
         memory = _memory(compiled, mesh)
         inputs = layouts(traced, compiled.input_shardings[0])
         outputs = layouts(compiled.out_info, compiled.output_shardings, "return")

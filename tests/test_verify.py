@@ -239,3 +239,16 @@ def test_a_sharding_type_error_names_the_line(explicit_mesh, auto_mesh):
     assert "Contracting dimensions are sharded" in message  # JAX's own words
     assert 'axis_types="auto"' in message
     assert type(e.value.__cause__).__name__ == "ShardingTypeError"
+
+
+def test_the_report_says_what_its_flops_count(auto_mesh):
+    """XLA counts a loop's body once: a scanned model's report says so."""
+
+    def scanned(x: Float[Array, "b d", P("dp", None)]) -> Float[Array, "b d"]:
+        return jax.lax.scan(lambda c, _: (jnp.sin(c) @ c.T @ c, None), x, None, 4)[0]
+
+    report = jaxshard.verify(scanned, mesh=auto_mesh, dims={"b": 8, "d": 8})
+    assert any("each loop's body once" in note for note in report.notes)
+    assert "each loop's body once" in str(report)
+    flat = jaxshard.verify(lambda x: x, mesh=auto_mesh, values={"x": jnp.ones(8)})
+    assert flat.notes == ()
