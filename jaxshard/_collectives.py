@@ -318,7 +318,7 @@ def collectives(
                 where = (source[1], int(source[2]), "?")
         # HLO text escapes quotes: `inputs[\\'table\\']`.
         name = op_name[1].replace("\\'", "'") if op_name else ""
-        chain = _cut(chains.get(name, ()), root)
+        chain = _cut(_chain(chains, name), root)
         if where is None and chain:
             where = chain[0]
         found.append(
@@ -334,6 +334,18 @@ def collectives(
             )
         )
     return tuple(found)
+
+
+def _chain(chains: dict, name: str) -> tuple[Frame, ...]:
+    """The user's frames of the op `name`; for an op inside a nested function
+    (`.../Embed_0/jit(_take)/gather`, whose own frames are JAX's), those of the
+    call that entered it (`.../Embed_0/jit(_take)`)."""
+    while "/" in name:  # not the program's own name: its frames are the caller's
+        chain = chains.get(name, ())
+        if chain:
+            return chain
+        name = name.rpartition("/")[0]
+    return ()
 
 
 def _cut(chain: tuple[Frame, ...], root: str) -> tuple[Frame, ...]:

@@ -13,6 +13,7 @@ conform. Where the layouts of the program's inputs are known (`jaxshard.verify`,
 first (`siblings`).
 """
 
+import dataclasses
 import inspect
 import re
 from collections.abc import Iterable
@@ -89,6 +90,18 @@ def _why(first: Any, sites: list, numbers: dict) -> str:
     return "given to the program laid out so: look at what is passed in"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Item:
+    """One violation, as the message shows it."""
+
+    line: str  # in full
+    layout: tuple[str, str]  # the spec found, the spec expected
+    function: str  # the innermost annotated call's function, short
+    k: int  # which call of it
+    several: bool  # whether the program calls it more than once
+    value: str  # "parameter 'x'", "the return value"
+
+
 def report(violations: list, sites: list, head: str, inputs: list = ()) -> str:
     """The message for the violations of one program (in program order, each with
     its call described): `head`, the likely cause in full, then the rest. `inputs`
@@ -97,55 +110,86 @@ def report(violations: list, sites: list, head: str, inputs: list = ()) -> str:
     from ._sharding import call_numbers
 
     numbers = call_numbers(sites + [v.site for v in violations])
-    first, rest = violations[0], violations[1:]
+    items = []
+    for v in violations:
+        function, k = _calls(numbers, v.site)
+        n = numbers.get(v.site.calls[-1][1], (1, 1))[1] if v.site.calls else 1
+        items.append(_Item(str(v), _layout(v), function, k, n > 1, _value(v.site.name)))
+    why = _why(violations[0], sites, numbers)
+    notes = list(dict.fromkeys(v.site.note for v in violations if v.site.note))
+    return _compose(items, head, inputs, why, notes)
+
+
+_CALL = re.compile(r"^(?P<function>[^ ]+?)(?: #(?P<k>\d+) of (?P<n>\d+))?(?: \(in |$)")
+
+
+def report_rows(rows: list, head: str, inputs: list, line: Any) -> str:
+    """The same for the violated rows of `jaxshard.verify`'s report (`line(row)`
+    gives one in full); the budgets' rows follow the contracts'."""
+    items, budgets = [], []
+    for row in rows:
+        if row.budget is not None:
+            budgets.append(f"- {line(row)}")
+            continue
+        m = _CALL.match(row.call or str(row.function or ""))
+        function = m["function"] if m else str(row.function)
+        k, n = (int(m["k"]), int(m["n"])) if m and m["k"] else (1, 1)
+        layout = (row.actual_spec, format_spec(row.expected))
+        items.append(_Item(line(row), layout, function, k, n > 1, _value(row.name)))
+    if not items:
+        return "\n".join([head + ":", *budgets])
+    return _compose(items, head, inputs, "", budgets)
+
+
+def _compose(items: list, head: str, inputs: list, why: str, tail: list) -> str:
+    first, rest = items[0], items[1:]
     odd = outliers_note(siblings(inputs))
     lines = [head + ("." if rest or odd else ":")]
     if odd:
         lines.append(odd)
-    notes = list(dict.fromkeys(v.site.note for v in violations if v.site.note))
     if not rest and not odd:
-        return "\n".join([*lines, f"- {first}", *notes])
+        return "\n".join([*lines, f"- {first.line}", *tail])
+    where = f" ({why})" if why else ""
     lines.append(
         f"{'The first' if odd else 'The likely cause, the first'} value laid out "
-        f"wrong in program order ({_why(first, sites, numbers)}):"
+        f"wrong in program order{where}:"
     )
-    lines.append(f"- {first}")
-    layout = _layout(first)
-    same = [v for v in rest if _layout(v) == layout]
-    other = [v for v in rest if _layout(v) != layout]
+    lines.append(f"- {first.line}")
+    same = [i for i in rest if i.layout == first.layout]
+    other = [i for i in rest if i.layout != first.layout]
     if same:
-        found, expected = layout
+        found, expected = first.layout
         lines.append(
             f"{len(same)} more {'values are' if len(same) > 1 else 'value is'} laid "
             f"out the same way, {found} where the annotation expects {expected}, and "
             "may follow from it:"
         )
-        lines += _grouped(same, numbers)
+        lines += _grouped(same)
     if other:
         lines.append(
             f"{len(other)} more {'values are' if len(other) > 1 else 'value is'} laid "
             "out otherwise:"
         )
-        lines += [f"- {v}" for v in other]
-    return "\n".join(lines + notes)
+        lines += [f"- {i.line}" for i in other]
+    return "\n".join(lines + tail)
 
 
-def _grouped(violations: list, numbers: dict) -> list[str]:
+def _grouped(items: list) -> list[str]:
     """`- Mlp.__call__ #1–#4: parameter 'x', the return value`, a line per
     function, in the order they first appear."""
     by_function: dict[str, dict[str, list[int]]] = {}
-    for v in violations:
-        function, k = _calls(numbers, v.site)
-        names = by_function.setdefault(function, {})
-        names.setdefault(_value(v.site.name), []).append(k)
+    several: dict[str, bool] = {}
+    for i in items:
+        names = by_function.setdefault(i.function, {})
+        names.setdefault(i.value, []).append(i.k)
+        several[i.function] = several.get(i.function, False) or i.several
     out = []
     for function, names in by_function.items():
         parts: dict[str, list[str]] = {}
         for name, ks in names.items():
             parts.setdefault(_numbers(ks), []).append(name)
         for ks, values in parts.items():
-            several = any(n > 1 for _, n in numbers.values())
-            at = f" {ks}" if several and ks != "#1" else ""
+            at = f" {ks}" if several[function] else ""
             out.append(f"- {function}{at}: {', '.join(values)}")
     return out
 
@@ -178,6 +222,7 @@ def siblings(leaves: Iterable[tuple[str, Any]]) -> list[tuple[str, str, str, int
     out."""
     specs: dict[str, tuple[str, tuple]] = {}
     for path, leaf in leaves:
+        path = path.removesuffix(".value")  # a flax box's, or an nnx Variable's
         sharding = getattr(leaf, "sharding", None)
         if not isinstance(sharding, NamedSharding):
             continue

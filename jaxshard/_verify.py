@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from . import _config, _torch
+from . import _config, _diagnosis, _torch
 from ._abstract import _bound_inputs
 from ._array_types import partition_spec
 from ._check_tree import check_partitioning, Partitioned
@@ -314,10 +314,13 @@ def verify(
         report = dataclasses.replace(report, rows=rows)
         report.__dict__["collectives"] = found
     if raise_on_error and not report.ok:
-        error = ShardingError(
+        head = (
             f"{tally(report.violations)} when {name} was compiled for mesh "
-            f"{describe_mesh(mesh)} ({describe_devices(mesh)}):\n"
-            + "\n".join(f"- {_violation(r)}" for r in report.violations)
+            f"{describe_mesh(mesh)} ({describe_devices(mesh)})"
+        )
+        inputs = list(report.inputs.items())  # by path
+        error = ShardingError(
+            _diagnosis.report_rows(report.violations, head, inputs, _violation)
         )
         error.report = report  # pyright: ignore[reportAttributeAccessIssue]
         raise error

@@ -8,6 +8,7 @@ import re
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from decoders import (
     BATCH,
@@ -18,6 +19,7 @@ from decoders import (
     make_nnx,
     RULES,
 )
+from flax.training import train_state
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxshard
@@ -156,3 +158,47 @@ def test_no_mesh_in_context_is_said():
     assert "made by LinenDecoder.__call__" in lines[1]
     assert lines[-1].startswith("No mesh was in context (`jax.set_mesh`)")
     assert "nn.with_logical_constraint" in lines[-1]
+
+
+def test_verify_names_the_wrong_weight_too():
+    """`jaxshard.verify` of the linen train step, for a TPU topology, from abstract
+    inputs: its error points at the same weight, and summarises the rest."""
+    mesh = jaxshard.tpu_mesh("v5e:2x4", {"data": 2, "fsdp": 2, "tensor": 2})
+    model = LinenDecoder(wrong_layer=1)
+    tx = optax.adamw(1e-3)
+
+    def init(key, dummy):
+        params = model.init(key, dummy)["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    dummy = jnp.ones((BATCH, LENGTH), jnp.int32)
+    key = jax.random.key(0)
+    with nn.logical_axis_rules(RULES):
+        abstract = jax.eval_shape(init, key, dummy)
+
+    def train_step(state, batch):
+        def loss(params):
+            logits = state.apply_fn({"params": params}, batch)
+            targets = batch[:, 1:]
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits[:, :-1], targets
+            ).mean()
+
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads=grads), value
+
+    batch = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
+    values = {"state": abstract, "batch": batch}
+    with nn.logical_axis_rules(RULES):
+        with pytest.raises(jaxshard.ShardingError) as caught:
+            jaxshard.verify(train_step, mesh=mesh, values=values)
+    lines = str(caught.value).splitlines()
+    assert lines[2] == (
+        "- state.params['LinenBlock_1']['LinenMlp_0']['Dense_0']['kernel'] is "
+        "P('tensor', 'fsdp'), where 3 of its siblings are P('fsdp', 'tensor')."
+    )
+    assert len(lines) < 20
+    report = caught.value.report
+    located = [c for c in report.collectives if c.filename is not None]
+    assert len(located) >= len(report.collectives) - 2  # flax's ops: the user's lines
+    assert all("decoders.py" in c.where for c in located if c.kind == "all-gather")
