@@ -138,6 +138,15 @@ class _Frames:
         }
         self.frames = {k: _fields(v) for k, v in _table(text, "StackFrames").items()}
 
+    def line(self, frame_id: int) -> tuple[str, int] | None:
+        """The `(file, line)` of the frame itself, whoever's code it is."""
+        frame = self.frames.get(frame_id)
+        if frame is None:
+            return None
+        location = self.locations.get(int(frame.get("file_location_id", 0)), {})
+        filename = self.files.get(int(location.get("file_name_id", 0)))
+        return None if filename is None else (filename, int(location.get("line", 0)))
+
     def user_line(self, frame_id: int) -> tuple[str, int, str] | None:
         seen = set()
         while frame_id in self.frames and frame_id not in seen:
@@ -181,9 +190,14 @@ _FILE = re.compile(r'^"((?:[^"\\]|\\.)*)":(\d+)')
 Frame = tuple[str, int, str]  # (filename, line, function)
 
 
-def user_frames_by_op(module_text: str) -> dict[str, tuple[Frame, ...]]:
-    """Op name -> the frames of the user's code it was made in, innermost first, from
-    a lowered module's text with debug info (`lowered.as_text(debug_info=True)`)."""
+def user_frames_by_op(
+    module_text: str,
+) -> dict[str, list[tuple[tuple[str, int] | None, tuple[Frame, ...]]]]:
+    """Op name -> for each op of that name (a name is not unique: `jit(f)/dot_general`
+    names every contraction outside a named scope), the `(file, line)` of its
+    innermost frame, whoever's, and the frames of the user's code it was made in,
+    innermost first; from a lowered module's text with debug info
+    (`lowered.as_text(debug_info=True)`)."""
     locs: dict[str, str] = {}
     for line in module_text.splitlines():
         m = _LOC.match(line)
@@ -206,14 +220,18 @@ def user_frames_by_op(module_text: str) -> dict[str, tuple[Frame, ...]]:
         m = _FILE.match(body)
         return [(_unescape(m[1]), int(m[2]), "?")] if m else []
 
-    out: dict[str, tuple[Frame, ...]] = {}
+    out: dict[str, list] = {}
     for key, body in locs.items():
         m = _NAMED.match(body)
         if not m or _FILE.match(locs.get(m[2], "")):
             continue  # not an op's name
-        name = _unescape(m[1])
-        if name not in out:
-            out[name] = tuple(f for f in frames(m[2]) if _is_user_code(f[0]))
+        found = frames(m[2])
+        innermost = (found[0][0], found[0][1]) if found else None
+        chain = tuple(f for f in found if _is_user_code(f[0]))
+        entry = (innermost, chain)
+        candidates = out.setdefault(_unescape(m[1]), [])
+        if entry not in candidates:
+            candidates.append(entry)
     return out
 
 
@@ -307,18 +325,19 @@ def collectives(
         )
         groups = _pairs(rest) if kind == "collective-permute" else _groups(rest)
         op_name = re.search(r'op_name="([^"]*)"', rest)
-        where = None
+        where, innermost = None, None
         frame = re.search(r"stack_frame_id=(\d+)", rest)
         if frame:
             frames = frames or _Frames(hlo_text)
             where = frames.user_line(int(frame[1]))
+            innermost = frames.line(int(frame[1]))
         elif re.search(r'source_file="([^"]*)"', rest):
             source = re.search(r'source_file="([^"]*)" source_line=(\d+)', rest)
             if source and _is_user_code(source[1]):
                 where = (source[1], int(source[2]), "?")
         # HLO text escapes quotes: `inputs[\\'table\\']`.
         name = op_name[1].replace("\\'", "'") if op_name else ""
-        chain = _cut(_chain(chains, name), root)
+        chain = _cut(_chain(chains, name, innermost), root)
         if where is None and chain:
             where = chain[0]
         found.append(
@@ -336,15 +355,24 @@ def collectives(
     return tuple(found)
 
 
-def _chain(chains: dict, name: str) -> tuple[Frame, ...]:
-    """The user's frames of the op `name`; for an op inside a nested function
+def _chain(
+    chains: dict, name: str, innermost: tuple[str, int] | None
+) -> tuple[Frame, ...]:
+    """The user's frames of the op `name` whose innermost frame is `innermost` (or
+    of the only op of that name); for an op inside a nested function
     (`.../Embed_0/jit(_take)/gather`, whose own frames are JAX's), those of the
     call that entered it (`.../Embed_0/jit(_take)`)."""
+    nested = False
     while "/" in name:  # not the program's own name: its frames are the caller's
-        chain = chains.get(name, ())
-        if chain:
-            return chain
-        name = name.rpartition("/")[0]
+        candidates = [c for c in chains.get(name, ()) if c[1]]
+        if not nested and innermost is not None:
+            matching = [c for c in candidates if c[0] == innermost]
+            candidates = matching or candidates
+        if len({chain for _, chain in candidates}) == 1:
+            return candidates[0][1]
+        if candidates:
+            return ()  # several ops of that name, none told apart: no guess
+        name, nested = name.rpartition("/")[0], True
     return ()
 
 
