@@ -222,6 +222,9 @@ def verify(
     _check_tolerance(tolerance)
     # Read first: a missing or wrong file fails before anything is compiled.
     golden = None if against is None else load_snapshot(against)
+    if hasattr(fn, "scope") and hasattr(fn, "__wrapped__"):
+        # `jaxshard.checked(step)`: the step, whose value checks verify compiles in.
+        fn = fn.__wrapped__
     module = fn if _torch.is_compiled_module(fn) else None
     if module is not None:  # torchax.compile(module): its forward, and its weights
         fn = _torch.module_forward(module)

@@ -160,11 +160,10 @@ def test_no_mesh_in_context_is_said():
     assert "nn.with_logical_constraint" in lines[-1]
 
 
-def test_verify_names_the_wrong_weight_too():
-    """`jaxshard.verify` of the linen train step, for a TPU topology, from abstract
-    inputs: its error points at the same weight, and summarises the rest."""
-    mesh = jaxshard.tpu_mesh("v5e:2x4", {"data": 2, "fsdp": 2, "tensor": 2})
-    model = LinenDecoder(wrong_layer=1)
+def _lm1b_style(wrong_layer=None, checks=False):
+    """The linen decoder's abstract train state and train step, as lm1b writes
+    them (`checks`: with value checks on the loss and the gradients)."""
+    model = LinenDecoder(wrong_layer=wrong_layer)
     tx = optax.adamw(1e-3)
 
     def init(key, dummy):
@@ -185,10 +184,37 @@ def test_verify_names_the_wrong_weight_too():
             ).mean()
 
         value, grads = jax.value_and_grad(loss)(state.params)
+        if checks:
+            jaxshard.check(jnp.isfinite(value), "loss is {v}", v=value)
+            jaxshard.check_finite(grads, name="grads")
         return state.apply_gradients(grads=grads), value
 
     batch = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
-    values = {"state": abstract, "batch": batch}
+    return train_step, {"state": abstract, "batch": batch}
+
+
+def test_verify_compiles_the_real_train_step_for_a_pod():
+    """A train step with value checks, verified for a TPU topology's Auto axes: it
+    compiles as written, its checks compiled out and the report saying so; its
+    contracts, memory and collectives are those of the step."""
+    mesh = jaxshard.tpu_mesh("v5e:2x4", {"data": 2, "fsdp": 2, "tensor": 2})
+    step, values = _lm1b_style(checks=True)
+    with nn.logical_axis_rules(RULES):
+        checked = jaxshard.checked(jax.jit(step, donate_argnums=0))
+        report = jaxshard.verify(checked, mesh=mesh, values=values)
+        plain, _ = _lm1b_style(checks=False)
+        without = jaxshard.verify(plain, mesh=mesh, values=values)
+    assert report.ok and any("compiled out" in note for note in report.notes)
+    assert len(report.rows) == len(without.rows) > 0
+    assert report.memory == without.memory
+    assert len(report.collectives) == len(without.collectives)
+
+
+def test_verify_names_the_wrong_weight_too():
+    """`jaxshard.verify` of the linen train step, for a TPU topology, from abstract
+    inputs: its error points at the same weight, and summarises the rest."""
+    mesh = jaxshard.tpu_mesh("v5e:2x4", {"data": 2, "fsdp": 2, "tensor": 2})
+    train_step, values = _lm1b_style(wrong_layer=1)
     with nn.logical_axis_rules(RULES):
         with pytest.raises(jaxshard.ShardingError) as caught:
             jaxshard.verify(train_step, mesh=mesh, values=values)
