@@ -126,42 +126,59 @@ def _cross_entropy(logits: Array, targets: Array) -> Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
+def linen_init(model: LinenDecoder, tx) -> Callable:
+    """`init(key, dummy)`: the model's train state, as lm1b makes it."""
+
+    def init(key, dummy):
+        params = model.init(key, dummy)["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    return init
+
+
+def linen_loss(state, batch):
+    logits = state.apply_fn({"params": state.params}, batch)
+    return _cross_entropy(logits[:, :-1], batch[:, 1:])
+
+
+def linen_train_step(state, batch, checks: bool = False):
+    """A train step, as lm1b's; `checks`: with value checks on the loss and the
+    gradients."""
+    value, grads = jax.value_and_grad(
+        lambda params: linen_loss(state.replace(params=params), batch)
+    )(state.params)
+    if checks:
+        jaxshard.check(jnp.isfinite(value), "loss is {v}", v=value)
+        jaxshard.check_finite(grads, name="grads")
+    return state.apply_gradients(grads=grads), value
+
+
 def make_linen(mesh, wrong_layer: int | None = None) -> Decoder:
     """lm1b's init path as written: `jax.eval_shape` of the init for the abstract
     state, `nn.get_partition_spec`, a jitted init with `out_shardings` on a dummy
     batch, all under flax's rules; then its jitted train step."""
-    model = LinenDecoder(wrong_layer=wrong_layer)
-    tx = optax.adamw(1e-3)
-
-    def init(rng, dummy):
-        params = model.init(rng, dummy)["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-
+    init = linen_init(LinenDecoder(wrong_layer=wrong_layer), optax.adamw(1e-3))
     dummy = jnp.ones((BATCH, LENGTH), jnp.int32)
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
         abstract = jax.eval_shape(init, jax.random.key(0), dummy)
         specs = nn.get_partition_spec(abstract)
         shardings = nn.logical_to_mesh_sharding(specs, mesh, RULES)
         state = jax.jit(init, out_shardings=shardings)(jax.random.key(0), dummy)
+    return Decoder(
+        state, tokens(mesh), _jitted(linen_train_step, mesh, shardings), linen_loss
+    )
 
-    def loss(state, batch):
-        logits = state.apply_fn({"params": state.params}, batch)
-        return _cross_entropy(logits[:, :-1], batch[:, 1:])
 
-    def train_step(state, batch):
-        value, grads = jax.value_and_grad(
-            lambda params: loss(state.replace(params=params), batch)
-        )(state.params)
-        return state.apply_gradients(grads=grads), value
-
+def _jitted(train_step: Callable, mesh, shardings) -> Callable:
+    """`train_step` jitted as a training loop does: the state in and out as
+    `shardings` lay it out, donated; the batch split over ("data", "fsdp")."""
     batch_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
-    step = jax.jit(
+    return jax.jit(
         train_step,
         in_shardings=(shardings, batch_sharding),
         out_shardings=(shardings, None),
         donate_argnums=0,
     )
-    return Decoder(state, tokens(mesh), step, loss)
 
 
 # --- flax nnx -----------------------------------------------------------------------
@@ -259,14 +276,7 @@ def make_nnx(mesh, wrong_layer: int | None = None, constrain: bool = True) -> De
         optimizer.update(model, grads)
         return nnx.state((model, optimizer)), value
 
-    batch_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
-    step = jax.jit(
-        train_step,
-        in_shardings=(shardings, batch_sharding),
-        out_shardings=(shardings, None),
-        donate_argnums=0,
-    )
-    return Decoder(state, tokens(mesh), step, loss)
+    return Decoder(state, tokens(mesh), _jitted(train_step, mesh, shardings), loss)
 
 
 # --- equinox ------------------------------------------------------------------------
@@ -358,12 +368,5 @@ def make_equinox(mesh, wrong_layer: int | None = None) -> Decoder:
         updates, opt_state = tx.update(grads, opt_state, model)
         return (eqx.apply_updates(model, updates), opt_state), value
 
-    state_shardings = jax.tree.map(lambda x: x.sharding, state)
-    batch_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
-    step = jax.jit(
-        train_step,
-        in_shardings=(state_shardings, batch_sharding),
-        out_shardings=(state_shardings, None),
-        donate_argnums=0,
-    )
-    return Decoder(state, tokens(mesh), step, loss)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    return Decoder(state, tokens(mesh), _jitted(train_step, mesh, shardings), loss)

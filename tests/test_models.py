@@ -13,13 +13,14 @@ import pytest
 from decoders import (
     BATCH,
     LENGTH,
+    linen_init,
+    linen_train_step,
     LinenDecoder,
     make_equinox,
     make_linen,
     make_nnx,
     RULES,
 )
-from flax.training import train_state
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxshard
@@ -75,7 +76,9 @@ def test_a_wrong_layer_is_named_by_its_weight(name):
         with pytest.raises(jaxshard.ShardingError) as caught:
             decoder.step(decoder.state, decoder.batch)
     lines = str(caught.value).splitlines()
-    assert lines[0].endswith("violated in jit(train_step), found when XLA compiled it.")
+    assert re.search(
+        r"violated in jit\(\w*train_step\), found when XLA compiled it\.$", lines[0]
+    )
     assert lines[1].startswith("The likely cause, among the program's inputs")
     weight = {
         "linen": "state.params['LinenBlock_1']['LinenMlp_0']['Dense_0']['kernel']",
@@ -161,35 +164,17 @@ def test_no_mesh_in_context_is_said():
 
 
 def _lm1b_style(wrong_layer=None, checks=False):
-    """The linen decoder's abstract train state and train step, as lm1b writes
+    """The linen decoder's abstract train state and its train step, as lm1b writes
     them (`checks`: with value checks on the loss and the gradients)."""
-    model = LinenDecoder(wrong_layer=wrong_layer)
-    tx = optax.adamw(1e-3)
-
-    def init(key, dummy):
-        params = model.init(key, dummy)["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-
+    init = linen_init(LinenDecoder(wrong_layer=wrong_layer), optax.adamw(1e-3))
     dummy = jnp.ones((BATCH, LENGTH), jnp.int32)
-    key = jax.random.key(0)
     with nn.logical_axis_rules(RULES):
-        abstract = jax.eval_shape(init, key, dummy)
+        abstract = jax.eval_shape(init, jax.random.key(0), dummy)
+    batch = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
 
     def train_step(state, batch):
-        def loss(params):
-            logits = state.apply_fn({"params": params}, batch)
-            targets = batch[:, 1:]
-            return optax.softmax_cross_entropy_with_integer_labels(
-                logits[:, :-1], targets
-            ).mean()
+        return linen_train_step(state, batch, checks)
 
-        value, grads = jax.value_and_grad(loss)(state.params)
-        if checks:
-            jaxshard.check(jnp.isfinite(value), "loss is {v}", v=value)
-            jaxshard.check_finite(grads, name="grads")
-        return state.apply_gradients(grads=grads), value
-
-    batch = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
     return train_step, {"state": abstract, "batch": batch}
 
 
