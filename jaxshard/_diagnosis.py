@@ -5,12 +5,12 @@ that follows (and, on Auto axes, back through those before). `report` picks the
 likely cause, says why it is the likely one, and summarises the violations that
 follow the same layout instead of repeating each in full.
 
-The likely cause is the first value laid out wrong, in program order, and where it was
-made: a parameter of a call was made by its caller, whose own parameters (checked
-before) conform; a return value was made inside its function, whose parameters
-conform. Where the layouts of the program's inputs are known (`jaxshard.verify`,
-`jaxshard.checked`), a weight laid out unlike its siblings in the other layers comes
-first (`siblings`).
+Where the layouts of the program's inputs are known (the arguments of the `jax.jit`
+call that compiles it, `jaxshard.verify`'s inputs, `jaxshard.checked`'s arguments), a
+weight laid out unlike the same weight in the other layers comes first (`siblings`).
+Then the first value laid out wrong, in program order, and where it was made: a
+parameter of a call was made by its caller, whose own parameters (checked before)
+conform; a return value was made inside its function, whose parameters conform.
 """
 
 import dataclasses
