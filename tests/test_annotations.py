@@ -74,6 +74,35 @@ def test_sharded_annotation_pickles():
     assert jaxshard.partition_spec(back) == P("dp", None)
 
 
+# Annotations pickled by jaxshard before its modules moved into subpackages (protocol 4,
+# numpy's array type): they name `jaxshard._array_types.with_spec`, `jaxshard._logical.L`
+# and `jaxshard._logical.BY_NAME`.
+OLD_PICKLES = {
+    "Float[ndarray, 'batch seq embed', L('batch', None, 'embed')]": (
+        "gASVxAAAAAAAAACMFWpheHNoYXJkLl9hcnJheV90eXBlc5SMCXdpdGhfc3BlY5STlIwIYnVpbHRpbnOU"
+        "jAdnZXRhdHRylJOUjAhqYXhzaGFyZJSMBUZsb2F0lJOUjAtfX2dldGl0ZW1fX5SGlFKUjAVudW1weZSM"
+        "B25kYXJyYXmUk5SMD2JhdGNoIHNlcSBlbWJlZJSGlIWUUpSMEWpheHNoYXJkLl9sb2dpY2FslIwBTJST"
+        "lIwFYmF0Y2iUTowFZW1iZWSUh5RSlIaUUpQu"
+    ),
+    "Float[ndarray, 'embed mlp', BY_NAME]": (
+        "gASVrwAAAAAAAACMFWpheHNoYXJkLl9hcnJheV90eXBlc5SMCXdpdGhfc3BlY5STlIwIYnVpbHRpbnOU"
+        "jAdnZXRhdHRylJOUjAhqYXhzaGFyZJSMBUZsb2F0lJOUjAtfX2dldGl0ZW1fX5SGlFKUjAVudW1weZSM"
+        "B25kYXJyYXmUk5SMCWVtYmVkIG1scJSGlIWUUpSMEWpheHNoYXJkLl9sb2dpY2FslIwHQllfTkFNRZST"
+        "lIaUUpQu"
+    ),
+}
+
+
+@pytest.mark.parametrize("shown", OLD_PICKLES)
+def test_annotations_pickled_before_the_move_load(shown):
+    import base64
+
+    back = pickle.loads(base64.b64decode(OLD_PICKLES[shown]))
+    assert repr(back) == shown
+    with jaxshard.axis_rules([("embed", "dp"), ("mlp", None), ("batch", None)]):
+        assert jaxshard.partition_spec(back) in (P(None, None, "dp"), P("dp", None))
+
+
 def test_union_members_each_get_the_spec():
     ann = Float[Array | np.ndarray, "b", P("dp")]
     members = ann.__args__
