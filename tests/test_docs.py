@@ -21,7 +21,7 @@ import pytest
 pytestmark = pytest.mark.docs
 
 ROOT = pathlib.Path(__file__).parent.parent
-PAGES = sorted(ROOT.glob("docs/*.md")) + [ROOT / "README.md"]
+PAGES = sorted(ROOT.glob("docs/**/*.md")) + [ROOT / "README.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 NOT_RUN = re.compile(r"<!-- not run: [^>]+-->\s*$")
 RAISES = re.compile(r"#\s*raises\s+([\w.]+)")
@@ -75,3 +75,18 @@ def test_block_runs(page, line, code, tmp_path):
         )
     elif run.returncode:
         pytest.fail(f"the block at {page.name}:{line} failed:\n{tail}", pytrace=False)
+
+
+def test_api_reference_names_every_public_name():
+    """docs/api.md names each name of `jaxshard.__all__`, as a `::: jaxshard.NAME`
+    entry or in backticks."""
+    import jaxshard
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    missing = [
+        name
+        for name in jaxshard.__all__
+        if f"::: jaxshard.{name}\n" not in text
+        and not re.search(rf"`(jaxshard\.)?{re.escape(name)}[`\[(]", text)
+    ]
+    assert not missing, f"docs/api.md does not name {missing}"
