@@ -78,14 +78,24 @@ def test_block_runs(page, line, code, tmp_path):
 
 
 def test_api_reference_names_every_public_name():
-    """docs/api.md names each name of `jaxshard.__all__`, as a `::: jaxshard.NAME`
-    entry or in backticks."""
+    """docs/api.md names each public name of `jaxshard` (those of `__all__`, and any
+    other that does not start with an underscore), as a `::: jaxshard.NAME` entry or
+    in backticks."""
+    import inspect
+
     import jaxshard
 
+    public = set(jaxshard.__all__) | {
+        name
+        for name, value in vars(jaxshard).items()
+        if not name.startswith("_")
+        and not inspect.ismodule(value)
+        and name != "TYPE_CHECKING"
+    }
     text = (ROOT / "docs" / "api.md").read_text()
     missing = [
         name
-        for name in jaxshard.__all__
+        for name in sorted(public)
         if f"::: jaxshard.{name}\n" not in text
         and not re.search(rf"`(jaxshard\.)?{re.escape(name)}[`\[(]", text)
     ]
