@@ -95,7 +95,7 @@ def pytest_configure(config):
 
 def _default_rules(target: str) -> None:
     import jaxshard
-    from jaxshard._cli import _load_object
+    from jaxshard._verify.cli import _load_object
 
     try:
         table = _load_object(target, "--jaxshard-rules")
@@ -133,7 +133,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _quiet_libtpu() -> None:
-    # `jaxshard._mesh.quiet_libtpu`, without importing jaxshard (and so JAX) here.
+    # `jaxshard._verify.tpu.quiet_libtpu`, without importing jaxshard (and so JAX) here.
     if glob.glob("/dev/accel*") or os.path.exists("/dev/vfio"):
         return
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
@@ -154,7 +154,7 @@ def mesh():
     can use it: hypothesis refuses function-scoped fixtures there."""
     import jax
 
-    from jaxshard._mesh import _axis_types
+    from jaxshard._verify.tpu import _axis_types
 
     def make(axes, *, axis_types=None):
         axes = dict(axes)

@@ -426,7 +426,7 @@ def _program_alone(f, mode: str, args: tuple):
     it, with only what the wrapper cannot do without: in "raise" mode the rows
     read; in "deferred" mode nothing. (jaxshard's own internals: the benchmark's way
     to tell the wrapper's host time from the program's.)"""
-    from jaxshard._check_frames import _compiled
+    from jaxshard._values.frames import _compiled
 
     program = _compiled(jax.jit(f))
 

@@ -189,7 +189,8 @@ def main() -> int:
     jaxshard_s, base_s, extra, own = imports()
     print(
         f"(c) import jaxshard {jaxshard_s:.2f} s; jax, jaxtyping, beartype, numpy "
-        f"{base_s:.2f} s; jaxshard's own +{extra:.2f} s, of which jaxshard._torch "
+        f"{base_s:.2f} s; jaxshard's own +{extra:.2f} s, of which "
+        f"jaxshard._annotations.tensors "
         f"{own} us; torch not imported"
     )
     return 0

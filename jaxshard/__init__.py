@@ -6,6 +6,7 @@ adds a partition spec), `jaxtyped` and `config` extend jaxtyping's, and the rest
 jaxtyping's own objects.
 """
 
+import sys as _sys
 from typing import TYPE_CHECKING
 
 from jaxtyping import (
@@ -19,7 +20,7 @@ from jaxtyping import (
     set_array_name_format as set_array_name_format,
 )
 
-from ._array_types import (
+from ._sharding.array_types import (
     partition_spec as partition_spec,
     sharded as sharded,
 )
@@ -38,7 +39,7 @@ if TYPE_CHECKING:  # `Float[Array, "b d", P("dp")]` reads as `Array`
         ScalarLike as ScalarLike,
     )
 
-    from ._indirection import (
+    from ._annotations.indirection import (
         BFloat16 as BFloat16,
         Bool as Bool,
         Complex as Complex,
@@ -75,7 +76,7 @@ if TYPE_CHECKING:  # `Float[Array, "b d", P("dp")]` reads as `Array`
         UInt64 as UInt64,
     )
 else:
-    from ._array_types import (
+    from ._sharding.array_types import (
         BFloat16 as BFloat16,
         Bool as Bool,
         Complex as Complex,
@@ -111,24 +112,10 @@ else:
         UInt32 as UInt32,
         UInt64 as UInt64,
     )
-    from ._check_tree import Partitioned as Partitioned
-from ._abstract import abstract_args as abstract_args
-from ._check_sites import CheckError as CheckError, Failure as Failure
-from ._check_tree import (
-    check_partitioning as check_partitioning,
-    check_tree as check_tree,
-)
-from ._checks import (
-    check as check,
-    check_finite as check_finite,
-    check_range as check_range,
-    checked as checked,
-    deferred_checks as deferred_checks,
-    flush_checks as flush_checks,
-)
-from ._collectives import Collective as Collective
+    from ._sharding.tree import Partitioned as Partitioned
+from . import _annotations, _sharding
+from ._annotations.logical import axis_rules as axis_rules, BY_NAME as BY_NAME, L as L
 from ._config import config as config
-from ._decorator import jaxtyped as jaxtyped
 from ._errors import (
     AnnotationError as AnnotationError,
     ModelError as ModelError,
@@ -137,18 +124,38 @@ from ._errors import (
     UntestedVersionWarning as UntestedVersionWarning,
 )
 from ._jax_internals import TESTED_JAX as TESTED_JAX
-from ._launch import launch as launch, ProcessOutcome as ProcessOutcome
-from ._logical import axis_rules as axis_rules, BY_NAME as BY_NAME, L as L
-from ._mesh import tpu_mesh as tpu_mesh
-from ._report import Memory as Memory, Report as Report, Row as Row
-from ._signature import (
+from ._launch.launch import launch as launch, ProcessOutcome as ProcessOutcome
+from ._sharding.decorator import jaxtyped as jaxtyped
+from ._sharding.signature import (
     shard_map as shard_map,
     shardings as shardings,
 )
-from ._verify import verify as verify
+from ._sharding.tree import (
+    check_partitioning as check_partitioning,
+    check_tree as check_tree,
+)
+from ._values.checks import (
+    check as check,
+    check_finite as check_finite,
+    check_range as check_range,
+    checked as checked,
+    deferred_checks as deferred_checks,
+    flush_checks as flush_checks,
+)
+from ._values.sites import CheckError as CheckError, Failure as Failure
+from ._verify.abstract import abstract_args as abstract_args
+from ._verify.collectives import Collective as Collective
+from ._verify.report import Memory as Memory, Report as Report, Row as Row
+from ._verify.tpu import tpu_mesh as tpu_mesh
+from ._verify.verify import verify as verify
 
 
 __version__ = "0.2.0"
+
+# Annotations pickled before the modules moved into subpackages name two of them by
+# their old paths.
+_sys.modules.setdefault("jaxshard._array_types", _sharding.array_types)
+_sys.modules.setdefault("jaxshard._logical", _annotations.logical)
 
 # jaxtyping's names that it makes on first use, and `jaxshard.strategies`, which
 # imports hypothesis: made or imported when first asked for, not at `import jaxshard`.
@@ -187,15 +194,18 @@ __all__ = [
     "AnnotationError",
     "Array",
     "ArrayLike",
+    "axis_rules",
     "BFloat16",
     "Bool",
+    "BY_NAME",
     "check",
     "check_finite",
+    "check_partitioning",
     "check_range",
     "check_tree",
     "checked",
-    "Collective",
     "CheckError",
+    "Collective",
     "Complex",
     "Complex128",
     "Complex64",
@@ -226,13 +236,15 @@ __all__ = [
     "Integer",
     "jaxtyped",
     "Key",
+    "L",
     "launch",
     "load_ipython_extension",
     "make_numpy_struct_dtype",
-    "ModelError",
     "Memory",
+    "ModelError",
     "Num",
     "partition_spec",
+    "Partitioned",
     "print_bindings",
     "PRNGKeyArray",
     "ProcessOutcome",

@@ -153,7 +153,7 @@ class Config:
             jaxtyping.config.update(name, value)
             return
         if name == "axis_rules":
-            from ._logical import normalise
+            from ._annotations.logical import normalise
 
             rules = None if value is None else normalise(value)
             _context.set_global(_context.get_global()._replace(rules=rules))

@@ -16,12 +16,12 @@ from hypothesis.errors import InvalidArgument
 from hypothesis.extra import numpy as hnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from . import _torch
-from ._array_types import partition_spec
-from ._dims import Dim, dimensions, shape
+from ._annotations import tensors
+from ._annotations.dims import Dim, dimensions, shape
+from ._annotations.logical import using
+from ._annotations.spec import axes_of
 from ._errors import AnnotationError
-from ._logical import using
-from ._spec import axes_of
+from ._sharding.array_types import partition_spec
 
 
 __all__ = ["arrays", "meshes", "partition_specs"]
@@ -201,8 +201,8 @@ def _arrays(draw, annotation, sharding, shards, dtypes, dims, elements, sizes):
         elements = hnp.from_dtype(drawn, **finite, **_BOUNDS[drawn.kind])
     x = draw(hnp.arrays(drawn, shape_, elements=elements))
     array = jax.device_put(x.astype(dtype), sharding)
-    if _torch.is_tensor_type(annotation.array_type):
-        return _torch.from_jax(array)
+    if tensors.is_tensor_type(annotation.array_type):
+        return tensors.from_jax(array)
     return array
 
 

@@ -74,9 +74,9 @@ def test_sharded_annotation_pickles():
     assert jaxshard.partition_spec(back) == P("dp", None)
 
 
-# Annotations pickled by jaxshard before its modules moved into subpackages (protocol 4,
-# numpy's array type): they name `jaxshard._array_types.with_spec`, `jaxshard._logical.L`
-# and `jaxshard._logical.BY_NAME`.
+# Annotations pickled by jaxshard before its modules moved into subpackages (protocol
+# 4, numpy's array type): they name `jaxshard._array_types.with_spec`,
+# `jaxshard._logical.L` and `jaxshard._logical.BY_NAME`.
 OLD_PICKLES = {
     "Float[ndarray, 'batch seq embed', L('batch', None, 'embed')]": (
         "gASVxAAAAAAAAACMFWpheHNoYXJkLl9hcnJheV90eXBlc5SMCXdpdGhfc3BlY5STlIwIYnVpbHRpbnOU"

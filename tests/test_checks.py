@@ -403,7 +403,7 @@ def test_deferred_reads_only_finished_calls(monkeypatch):
     the calls the device has finished, never one it would wait for: over a long
     loop, what the function keeps unread stays as small as that and the calls in
     flight."""
-    from jaxshard._check_frames import Findings
+    from jaxshard._values.frames import Findings
 
     read, ready = Findings.read, []
 
@@ -799,7 +799,7 @@ def test_large_arrays_are_reported_where_they_lie(kind, rounds, spec, monkeypatc
     element and its values are exact, and nothing is gathered. The devices'
     findings cross in one all-reduce of a row per device; where those rows would
     be too many words (a pod with many checks), in two rounds of one row each."""
-    from jaxshard import _check_mesh
+    from jaxshard._values import mesh as _check_mesh
 
     if rounds == 2:
         monkeypatch.setattr(_check_mesh, "_GATHERED", 0)
@@ -844,7 +844,7 @@ def test_a_repeated_block_too_small_to_slice_counts_once(kind, rounds, monkeypat
     each of them, and each failure is still counted once, its value read from one
     device (the findings crossing the devices in one round or two: see
     `test_large_arrays_are_reported_where_they_lie`)."""
-    from jaxshard import _check_mesh
+    from jaxshard._values import mesh as _check_mesh
 
     if rounds == 2:
         monkeypatch.setattr(_check_mesh, "_GATHERED", 0)
@@ -1009,7 +1009,7 @@ def test_a_checks_reduction_is_fused_with_its_predicate(dtype):
     (`_locate`), all a passing call costs, compiles fused with their predicates:
     the program makes no array of the predicates' size (a reduction of one operand
     would first copy it to int32)."""
-    from jaxshard._check_stats import _locate
+    from jaxshard._values.stats import _locate
 
     x = jnp.zeros((512, 512), dtype)
     located = jax.jit(lambda x: _locate([(x > 1, [x], None), (x < -1, [], None)]))

@@ -6,7 +6,8 @@ from jax import Array
 from jax.sharding import PartitionSpec as P
 
 import jaxshard
-from jaxshard import _report, Float
+from jaxshard import Float
+from jaxshard._verify import report as _report
 
 
 GiB = 1 << 30

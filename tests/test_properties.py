@@ -41,7 +41,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxshard
 from jaxshard import Float, strategies as js
-from jaxshard._spec import format_spec
+from jaxshard._annotations.spec import format_spec
 
 
 U = P.UNCONSTRAINED

@@ -15,7 +15,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxshard
 from jaxshard import Float, Int
-from jaxshard._spec import sharded_type
+from jaxshard._annotations.spec import sharded_type
 
 
 DIMS = {"batch": 8, "vocab": 64, "d": 16}

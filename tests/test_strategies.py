@@ -25,7 +25,7 @@ from jaxshard import (
     Shaped,
     strategies as js,
 )
-from jaxshard._spec import axes_of
+from jaxshard._annotations.spec import axes_of
 
 
 def shards(mesh, entry):

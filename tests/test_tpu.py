@@ -182,7 +182,7 @@ def test_axis_types():
 
 
 def test_missing_libtpu_says_how_to_install(monkeypatch):
-    from jaxshard import _mesh
+    from jaxshard._verify import tpu as _mesh
 
     monkeypatch.setattr(_mesh, "_libtpu_missing", lambda: True)
     with pytest.raises(ImportError, match=re.escape("pip install 'jaxshard[tpu]'")):

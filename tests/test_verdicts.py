@@ -17,7 +17,8 @@ from jax import Array
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxshard
-from jaxshard import _sharding, Float
+from jaxshard import Float
+from jaxshard._sharding import layout as _sharding
 
 
 U = P.UNCONSTRAINED

@@ -338,7 +338,7 @@ MODEL_FAILED = 3  # the exit status when the function fails to trace or compile
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    from jaxshard._mesh import quiet_libtpu
+    from jaxshard._verify.tpu import quiet_libtpu
 
     quiet_libtpu()  # before JAX loads libtpu
     import jax
@@ -365,8 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         fn = _load(args.function)
         values = _values(args.values)
         budget = _budget(args.max_collectives)
-        from jaxshard._report import _check_budget, _check_tolerance
-        from jaxshard._snapshot import load as load_snapshot
+        from jaxshard._verify.report import _check_budget, _check_tolerance
+        from jaxshard._verify.snapshot import load as load_snapshot
 
         try:
             _check_budget(
@@ -383,14 +383,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(str(e)) from None
         mesh = _make_mesh(axes, args.topology, args.axis_types)
         import jaxshard
-        from jaxshard._abstract import stray_dims
+        from jaxshard._verify.abstract import stray_dims
 
         if stray := stray_dims(fn, dims):
             raise ValueError(stray)
         rules = None
         if args.rules is not None:
             rules = _load_object(args.rules, "--rules")
-            from jaxshard._logical import normalise
+            from jaxshard._annotations.logical import normalise
 
             try:
                 rules = normalise(rules() if inspect.isfunction(rules) else rules)
@@ -474,7 +474,7 @@ def _make_mesh(axes: dict[str, int], topology: str | None, axis_types: str | Non
     import jax
 
     import jaxshard
-    from jaxshard._mesh import _axis_types
+    from jaxshard._verify.tpu import _axis_types
 
     if topology is not None:
         return jaxshard.tpu_mesh(topology, axes, axis_types=axis_types)

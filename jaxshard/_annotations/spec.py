@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ._errors import AnnotationError
+from .._errors import AnnotationError
 
 
 def axes_of(entry: Any) -> tuple[str, ...]:

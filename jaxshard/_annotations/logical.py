@@ -18,9 +18,9 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from . import _config
-from ._errors import AnnotationError
-from ._spec import format_spec
+from .. import _config
+from .._errors import AnnotationError
+from .spec import format_spec
 
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _dims
-from ._array_types import partition_spec
-from ._check_tree import place_partitioned
-from ._errors import expect_callable
-from ._logical import using
-from ._signature import (
+from .._annotations import dims as _dims
+from .._annotations.logical import using
+from .._annotations.spec import axes_of, format_spec
+from .._errors import expect_callable
+from .._sharding.array_types import partition_spec
+from .._sharding.signature import (
     _array_annotations,
     _input_spec,
     _listing,
@@ -24,7 +24,7 @@ from ._signature import (
     _tree,
     signature,
 )
-from ._spec import axes_of, format_spec
+from .._sharding.tree import place_partitioned
 
 
 def stray_dims(fn: Callable, dims: Mapping[str, Any]) -> str:

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from ._errors import expect
+from .._errors import expect
 
 
 _PROBES = ("v2:2x2", "v3:2x2", "v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2")

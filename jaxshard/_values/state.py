@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from ._jax_internals import ref_contents
+from .._jax_internals import ref_contents
 
 
 BATCH_DEPTH = 4  # vmap levels whose batch index a failure reports

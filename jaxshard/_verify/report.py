@@ -12,17 +12,17 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _snapshot
-from ._collectives import Collective, collectives, KINDS, summary
-from ._errors import expect
-from ._sharding import (
+from .._annotations.spec import format_spec
+from .._errors import expect
+from .._sharding.layout import (
     describe_bytes as _bytes,
     describe_devices,
     describe_mesh,
     describe_sharding,
     subject,
 )
-from ._spec import format_spec
+from . import snapshot as _snapshot
+from .collectives import Collective, collectives, KINDS, summary
 
 
 @dataclasses.dataclass(frozen=True)

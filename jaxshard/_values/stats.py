@@ -17,8 +17,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from ._check_state import _BIG, _encode, _from_words, _words, Item
-from ._jax_internals import is_batched, varying_axes
+from .._jax_internals import is_batched, varying_axes
+from .state import _BIG, _encode, _from_words, _words, Item
 
 
 def _whole_on_each_device(x) -> bool:

@@ -10,12 +10,12 @@ import jaxtyping
 from jax import Array
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._array_types import _MetaShardedArray, Shaped
-from ._errors import ShardingError, TypeCheckError
-from ._jax_internals import ArrayMeta
-from ._logical import active_rules, flax_rules, L, using
-from ._sharding import naming
-from ._spec import axes_of
+from .._annotations.logical import active_rules, flax_rules, L, using
+from .._annotations.spec import axes_of
+from .._errors import ShardingError, TypeCheckError
+from .._jax_internals import ArrayMeta
+from .array_types import _MetaShardedArray, Shaped
+from .layout import naming
 
 
 _union_types = (typing.Union, type(int | str))
@@ -394,8 +394,8 @@ def _annotation(spec: Any) -> Any:
 
 class _PartitionedMeta(type):
     def __instancecheck__(cls, value: Any) -> bool:
-        from ._decorator import note_failure
-        from ._sharding import where
+        from .decorator import note_failure
+        from .layout import where
 
         _, parameter = where(value)
         try:

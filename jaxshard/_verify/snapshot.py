@@ -16,8 +16,8 @@ from typing import Any
 
 from jax.sharding import NamedSharding
 
-from ._sharding import describe_bytes, describe_devices, describe_sharding
-from ._spec import format_spec, sharded_type
+from .._annotations.spec import format_spec, sharded_type
+from .._sharding.layout import describe_bytes, describe_devices, describe_sharding
 
 
 FORMAT = 1

@@ -22,9 +22,17 @@ import jax
 import jax.monitoring
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from . import _config, _diagnosis, _torch
-from ._errors import AnnotationError, ShardingError
-from ._jax_internals import (
+from .. import _config
+from .._annotations import tensors
+from .._annotations.spec import (
+    axes_of,
+    fill_unconstrained,
+    format_spec,
+    sharded_type,
+    splits,
+)
+from .._errors import AnnotationError, ShardingError
+from .._jax_internals import (
     bind_probe,
     checked_call,
     checked_calls,
@@ -33,7 +41,7 @@ from ._jax_internals import (
     in_linen_init,
     is_batched,
 )
-from ._spec import axes_of, fill_unconstrained, format_spec, sharded_type, splits
+from . import diagnosis
 
 
 # --- descriptions -------------------------------------------------------------------
@@ -229,15 +237,15 @@ def is_array_like(obj: Any) -> bool:
 
 def check(annotation, obj: Any, value: Any) -> str:
     """Why `obj`'s sharding does not satisfy `annotation.spec`; "" if it does.
-    `value` is `_torch.jax_value(obj)`: the jax.Array of a torchax tensor."""
+    `value` is `tensors.jax_value(obj)`: the jax.Array of a torchax tensor."""
     if _config.current().sharding == "off" or in_linen_init():
         return ""  # off; or flax's init, whose dummy batch is not data
     try:
         spec = annotation.spec
     except AnnotationError as e:  # logical names the rules cannot resolve
         return str(e)
-    if value is _torch.ELSEWHERE:
-        return _torch.elsewhere(obj, format_spec(spec))
+    if value is tensors.ELSEWHERE:
+        return tensors.elsewhere(obj, format_spec(spec))
     named, obj = obj, value
     if isinstance(obj, jax.core.Tracer):
         return _check_traced(annotation, obj, named)
@@ -302,7 +310,7 @@ def explicit_mismatch(annotation: Any, obj: Any, spec: Any = None) -> str:
     """Why `obj`, an array or tracer on a mesh whose axes are all Explicit, is not
     laid out as `annotation` (or `spec`, in its place) says; "" if it is, or if its
     layout is not in its type."""
-    value = _torch.jax_value(obj)
+    value = tensors.jax_value(obj)
     if not is_explicit(value):
         return ""
     aval = jax.typeof(value)
@@ -743,7 +751,7 @@ def _on_compile(event: str, duration: float, **kwargs) -> None:
     violations, sites = take_violations(thread)
     if violations:
         program = kwargs.get("fun_name", "the program")
-        inputs = _diagnosis.inputs_of(compiling_call())
+        inputs = diagnosis.inputs_of(compiling_call())
         raise ShardingError(format_violations(violations, program, sites, inputs))
 
 
@@ -758,7 +766,7 @@ def format_violations(
         f"{count} sharding contract{'s' if count > 1 else ''} violated in {program}, "
         "found when XLA compiled it"
     )
-    return _diagnosis.report(violations, list(sites), head, list(inputs))
+    return diagnosis.report(violations, list(sites), head, list(inputs))
 
 
 jax.monitoring.register_scalar_listener(_on_compile_start)

@@ -14,13 +14,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from . import _config, _diagnosis, _torch
-from ._abstract import _bound_inputs
-from ._array_types import partition_spec
-from ._check_tree import check_partitioning, Partitioned
-from ._collectives import _is_user_code, collectives, user_frames_by_op
-from ._decorator import checked_by_jaxshard
-from ._errors import (
+from .. import _config
+from .._annotations import tensors
+from .._annotations.logical import using
+from .._annotations.spec import fill_unconstrained, sharded_type
+from .._errors import (
     AnnotationError,
     expect,
     expect_callable,
@@ -28,9 +26,24 @@ from ._errors import (
     ShardingError,
     TypeCheckError,
 )
-from ._jax_internals import function_name, is_sharding_type_error
-from ._logical import using
-from ._report import (
+from .._jax_internals import function_name, is_sharding_type_error
+from .._sharding import diagnosis
+from .._sharding.array_types import partition_spec
+from .._sharding.decorator import checked_by_jaxshard
+from .._sharding.layout import (
+    call_numbers,
+    describe_call,
+    describe_devices,
+    describe_mesh,
+    describe_sharding,
+    naming,
+    Site,
+)
+from .._sharding.signature import _name, _POSITIONAL, _tree, signature
+from .._sharding.tree import check_partitioning, Partitioned
+from .abstract import _bound_inputs
+from .collectives import _is_user_code, collectives, user_frames_by_op
+from .report import (
     _budget_rows,
     _check_budget,
     _check_tolerance,
@@ -44,18 +57,7 @@ from ._report import (
     sharding_budget_rows,
     tally,
 )
-from ._sharding import (
-    call_numbers,
-    describe_call,
-    describe_devices,
-    describe_mesh,
-    describe_sharding,
-    naming,
-    Site,
-)
-from ._signature import _name, _POSITIONAL, _tree, signature
-from ._snapshot import load as load_snapshot
-from ._spec import fill_unconstrained, sharded_type
+from .snapshot import load as load_snapshot
 
 
 # --- recording ----------------------------------------------------------------------
@@ -225,9 +227,9 @@ def verify(
     if hasattr(fn, "scope") and hasattr(fn, "__wrapped__"):
         # `jaxshard.checked(step)`: the step, whose value checks verify compiles in.
         fn = fn.__wrapped__
-    module = fn if _torch.is_compiled_module(fn) else None
+    module = fn if tensors.is_compiled_module(fn) else None
     if module is not None:  # torchax.compile(module): its forward, and its weights
-        fn = _torch.module_forward(module)
+        fn = tensors.module_forward(module)
     name = _name(fn)
     what = f"jaxshard.verify({name})"
     bound = _bound_inputs(fn, mesh, dims, dtypes, values, what)
@@ -240,13 +242,13 @@ def verify(
         checked = checked_by_jaxshard(fn)
     else:
         # The weights are inputs too, laid out on `mesh` as they are now.
-        traced["self"] = _torch.abstract_weights(module, mesh, what)
-        checked = _torch.module_call(module, checked_by_jaxshard(fn.__func__))
+        traced["self"] = tensors.abstract_weights(module, mesh, what)
+        checked = tensors.module_call(module, checked_by_jaxshard(fn.__func__))
 
     def program(inputs):
         given = {**static, **inputs}
         if module is not None:
-            given = _torch.from_jax(given)
+            given = tensors.from_jax(given)
         args, kwargs = [], {}
         order = list(sig.parameters)
         for p in sig.parameters.values():
@@ -268,7 +270,7 @@ def verify(
             args.insert(0, given["self"])
         out = checked(*args, **kwargs)
         _check_leaves(qualname, "return", hints.get("return"), out)
-        return out if module is None else _torch.to_jax(out)
+        return out if module is None else tensors.to_jax(out)
 
     program.__name__ = program.__qualname__ = name.rsplit(".", 1)[-1]
     recorder, notes = Recorder(qualname), ()
@@ -323,7 +325,7 @@ def verify(
         )
         inputs = list(report.inputs.items())  # by path
         error = ShardingError(
-            _diagnosis.report_rows(report.violations, head, inputs, _violation)
+            diagnosis.report_rows(report.violations, head, inputs, _violation)
         )
         error.report = report  # pyright: ignore[reportAttributeAccessIssue]
         raise error

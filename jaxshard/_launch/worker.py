@@ -1,4 +1,4 @@
-"""One process of `jaxshard.launch`: `python -m jaxshard._launch_worker SPEC`, where
+"""One process of `jaxshard.launch`: `python -m jaxshard._launch.worker SPEC`, where
 SPEC is the JSON `launch` writes. Joins the others, calls the target, and writes
 what happened to the result file."""
 

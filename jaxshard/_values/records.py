@@ -21,9 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._check_rows import _add_found, _full
-from ._check_sites import CheckError, Failure, Site
-from ._check_state import (
+from .._jax_internals import (
+    accumulate,
+    context_mesh,
+    drop_callback_errors,
+    new_ref_outside_traces,
+    ref_contents,
+    set_ref_contents,
+)
+from .rows import _add_found, _full
+from .sites import CheckError, Failure, Site
+from .state import (
     _INITIAL,
     _merge,
     _on,
@@ -34,19 +42,11 @@ from ._check_state import (
     ELEMENT,
     State,
 )
-from ._check_stats import _linear_index
-from ._jax_internals import (
-    accumulate,
-    context_mesh,
-    drop_callback_errors,
-    new_ref_outside_traces,
-    ref_contents,
-    set_ref_contents,
-)
+from .stats import _linear_index
 
 
 if TYPE_CHECKING:
-    from ._check_frames import Findings, Frame
+    from .frames import Findings, Frame
 
 
 _generation = [0]  # bumped when deferred counting restarts: call indices start at 0

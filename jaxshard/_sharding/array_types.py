@@ -3,7 +3,7 @@
 Each dtype class here is a subclass of jaxtyping's. With two items it returns
 jaxtyping's annotation, made by jaxtyping, whose `.dtype` is the jaxshard class. With a
 third item, a `PartitionSpec`, it returns a subclass of that annotation whose
-`isinstance` check also checks the sharding (see `_sharding.py`).
+`isinstance` check also checks the sharding (see `layout.py`).
 """
 
 import copyreg
@@ -15,16 +15,17 @@ import jax
 import jaxtyping
 from jax.sharding import PartitionSpec
 
-from . import _decorator, _dims, _sharding, _torch
-from ._errors import AnnotationError
-from ._jax_internals import (
+from .._annotations import dims, tensors
+from .._annotations.logical import active_rules, BY_NAME, explain, L, resolve
+from .._annotations.spec import format_spec, parse_compact, validate_spec
+from .._errors import AnnotationError
+from .._jax_internals import (
     ArrayMeta,
     in_tree_flatten,
     restore_dim_memo,
     save_dim_memo,
 )
-from ._logical import active_rules, BY_NAME, explain, L, resolve
-from ._spec import format_spec, parse_compact, validate_spec
+from . import decorator, layout
 
 
 _MetaAbstractDtype = type(jaxtyping.AbstractDtype)
@@ -42,7 +43,7 @@ class _MetaShardedArray(ArrayMeta):
     spec: PartitionSpec
 
     def __instancecheck_str__(cls, obj: Any) -> str:
-        value = _torch.jax_value(obj)  # a torchax tensor's jax.Array
+        value = tensors.jax_value(obj)  # a torchax tensor's jax.Array
         if isinstance(value, jax.core.Tracer):
             # Checking a tracer may leave a probe in the program: only once the
             # dtype and shape are known to be right.
@@ -50,11 +51,11 @@ class _MetaShardedArray(ArrayMeta):
             reason = ArrayMeta.__instancecheck_str__(cls, obj)
             if reason or in_tree_flatten():
                 return reason
-            reason = _sharding.check(cls, obj, value)
+            reason = layout.check(cls, obj, value)
         else:
             # A concrete array's check has no side effect: do it first, so that the
             # common passing case needs no snapshot of jaxtyping's dim bindings.
-            reason = _sharding.check(cls, obj, value)
+            reason = layout.check(cls, obj, value)
             if not reason:
                 return ArrayMeta.__instancecheck_str__(cls, obj)
             snapshot = save_dim_memo()
@@ -62,20 +63,20 @@ class _MetaShardedArray(ArrayMeta):
             if in_tree_flatten():
                 return plain
             if plain:
-                if not _sharding.is_array_like(obj):
+                if not layout.is_array_like(obj):
                     return plain
                 # A numpy array or a scalar: say that it has no sharding.
                 reason = f"{plain.rstrip('.')}; {reason}"
         if reason:
             restore_dim_memo(snapshot)
-            _decorator.note_failure(obj, reason, annotation=cls)
+            decorator.note_failure(obj, reason, annotation=cls)
         return reason
 
     def _check_shape(cls, obj, single_memo, variadic_memo, arg_memo) -> str:
         shape = None
-        value = _torch.jax_value(obj)
+        value = tensors.jax_value(obj)
         if isinstance(value, jax.core.Tracer):
-            shape = _sharding.global_shape(cls, value)
+            shape = layout.global_shape(cls, value)
         if shape is None or shape == tuple(obj.shape):
             return ArrayMeta._check_shape(
                 cls, obj, single_memo, variadic_memo, arg_memo
@@ -89,7 +90,7 @@ class _MetaShardedArray(ArrayMeta):
                 f"local shape {tuple(obj.shape)} is a global shape of {shape} under "
                 f"{format_spec(cls.spec)}; the annotation describes the global array)"
             )
-            _decorator.note_failure(obj, reason, sharding=False, annotation=cls)
+            decorator.note_failure(obj, reason, sharding=False, annotation=cls)
         return reason
 
     def __repr__(cls) -> str:
@@ -199,9 +200,9 @@ def with_spec(annotation: Any, spec: Any) -> Any:
 def _by_name(annotation: Any) -> tuple:
     """`BY_NAME`'s logical spec: each named dimension's name, `None` elsewhere."""
     entries = []
-    for dim in _dims.dimensions(annotation):
+    for dim in dims.dimensions(annotation):
         if dim.kind == "variadic":
-            later = [d.name for d in _dims.dimensions(annotation)[len(entries) + 1 :]]
+            later = [d.name for d in dims.dimensions(annotation)[len(entries) + 1 :]]
             if any(d.isidentifier() for d in later):
                 raise AnnotationError(
                     f"BY_NAME cannot place the dimensions after the variadic "
@@ -240,7 +241,7 @@ def _made(annotation: Any, shown: Any) -> Any:
     at a call. `shown` is the shape string as the user wrote it."""
     for member in get_args(annotation) or (annotation,):
         if isinstance(member, type) and issubclass(member, jaxtyping.AbstractArray):
-            for dim in _dims.dimensions(member):
+            for dim in dims.dimensions(member):
                 if dim.kind == "symbolic":
                     _expression(dim.name, str(shown))
     return annotation

@@ -12,8 +12,8 @@ import jax
 import jaxtyping
 from jaxtyping import TypeCheckError
 
-from ._errors import ShardingError
-from ._jax_internals import jit_parameters
+from .._errors import ShardingError
+from .._jax_internals import jit_parameters
 
 
 class _Notes(threading.local):
@@ -32,14 +32,14 @@ def note_failure(
     (`sharding=False`) the shape check of a `shard_map` block. Costs nothing when no
     such call is active."""
     if _notes.frames:
-        from ._sharding import where
+        from .layout import where
 
         function, name = where(obj, annotation)
         _notes.frames[-1].append((function, name, reason, sharding))
 
 
 def _details(notes: list[tuple[str, str, str, bool]]) -> str:
-    from ._sharding import subject
+    from .layout import subject
 
     lines = ["----------------------", "Sharding:"]
     for function, name, reason, _ in dict.fromkeys(notes):

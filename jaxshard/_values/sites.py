@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ._check_state import (
+from .state import (
     _decode,
     _words,
     BATCH,

@@ -17,8 +17,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._errors import ModelError
-from ._spec import axes_of
+from .._errors import ModelError
+from .spec import axes_of
 
 
 def is_tensor_type(cls: Any) -> bool:

@@ -22,12 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _config
-from ._check_mesh import _split_mesh, _split_statistics, _statistics
-from ._check_records import _accumulate, _fallback, _record
-from ._check_rows import _evaluated_once, _full, _ONCE, _rows
-from ._check_sites import Failure, Site
-from ._check_state import (
+from .. import _config
+from .._jax_internals import current_trace, jit_parameters, new_ref_in
+from .mesh import _split_mesh, _split_statistics, _statistics
+from .records import _accumulate, _fallback, _record
+from .rows import _evaluated_once, _full, _ONCE, _rows
+from .sites import Failure, Site
+from .state import (
     _encode,
     COUNT,
     DEVICE,
@@ -38,8 +39,7 @@ from ._check_state import (
     State,
     STATE_SIZE,
 )
-from ._check_stats import _LOCATED_SIZE, _shared_details
-from ._jax_internals import current_trace, jit_parameters, new_ref_in
+from .stats import _LOCATED_SIZE, _shared_details
 
 
 # --- compiled calls -------------------------------------------------------------------

@@ -20,13 +20,13 @@ import jax
 import jaxtyping
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._array_types import partition_spec
-from ._decorator import checked_by_jaxshard
-from ._errors import AnnotationError, expect, expect_callable, ShardingError
-from ._jax_internals import context_mesh
-from ._logical import active_rules, normalise, using
-from ._sharding import explicit_mismatch, is_explicit
-from ._spec import format_spec
+from .._annotations.logical import active_rules, normalise, using
+from .._annotations.spec import format_spec
+from .._errors import AnnotationError, expect, expect_callable, ShardingError
+from .._jax_internals import context_mesh
+from .array_types import partition_spec
+from .decorator import checked_by_jaxshard
+from .layout import explicit_mismatch, is_explicit
 
 
 _union_types = (typing.Union, type(int | str))
@@ -408,7 +408,7 @@ def _shard_map(fn: Callable, mesh: Any, what: str, kwargs: dict) -> Callable:
                     "replicated value) or pass `out_specs=`."
                 )
             kwargs["out_specs"] = out
-    from ._check_frames import Findings, shard_map_checks
+    from .._values.frames import Findings, shard_map_checks
 
     body = checked_by_jaxshard(fn)
 

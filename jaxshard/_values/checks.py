@@ -21,15 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
-from . import _config, _diagnosis, _torch
-from ._check_frames import _compiled, _frames, Frame
-from ._check_mesh import _statistics
-from ._check_records import _fallback, _generation, _record, deferred_scopes, Scope
-from ._check_sites import _format, CheckError, Failure, Site
-from ._check_state import _encode, _INITIAL, COUNT, ELEMENT, Item
-from ._check_stats import _manual_axes
-from ._errors import expect, expect_callable, ShardingError
-from ._jax_internals import in_trace, jit_parameters
+from .. import _config
+from .._annotations import tensors
+from .._errors import expect, expect_callable, ShardingError
+from .._jax_internals import in_trace, jit_parameters
+from .._sharding import diagnosis
+from .frames import _compiled, _frames, Frame
+from .mesh import _statistics
+from .records import _fallback, _generation, _record, deferred_scopes, Scope
+from .sites import _format, CheckError, Failure, Site
+from .state import _encode, _INITIAL, COUNT, ELEMENT, Item
+from .stats import _manual_axes
 
 
 def _caller() -> tuple[str, int]:
@@ -104,7 +106,7 @@ def checked(fn: Callable) -> Callable:
         ```
     """
     expect_callable("checked", fn)
-    named = _torch.compiled_function(fn) or fn  # torchax.compile(f): f
+    named = tensors.compiled_function(fn) or fn  # torchax.compile(f): f
     scope = Scope(getattr(named, "__qualname__", repr(named)))
     compiled = _compiled(fn)
 
@@ -129,7 +131,7 @@ def checked(fn: Callable) -> Callable:
             with _config.overriding(check_scope=scope):
                 out = fn(*args, **kwargs)
         except ValueError as e:
-            if not _diagnosis.is_jit_mismatch(e):
+            if not diagnosis.is_jit_mismatch(e):
                 raise
             raise ShardingError(_jit_mismatch(scope.name, fn, args, kwargs)) from None
         if checks == "raise":
@@ -161,7 +163,7 @@ def _jit_mismatch(name: str, fn: Callable, args: tuple, kwargs: dict) -> str:
     function = params.get("fun", fn)
     shardings = params.get("in_shardings")
     what = f"jaxshard.checked({name})"
-    return _diagnosis.jit_mismatch(what, function, shardings, args, kwargs)
+    return diagnosis.jit_mismatch(what, function, shardings, args, kwargs)
 
 
 def flush_checks() -> None:
@@ -429,8 +431,8 @@ def _broadcast(name: str, value: Any, pred) -> Any:
 def _jax_value(function: str, name: str, x: Any) -> Any:
     """`x`, or the jax.Array behind it if it is a tensor on torchax's 'jax'
     device; a torch tensor elsewhere is refused."""
-    value = _torch.jax_value(x)
-    if value is _torch.ELSEWHERE:
+    value = tensors.jax_value(x)
+    if value is tensors.ELSEWHERE:
         raise TypeError(
             f"jaxshard.{function}: {name} is a torch.Tensor on device "
             f"{str(x.device)!r}; checks run on JAX's devices. Put it on torchax's "

@@ -109,7 +109,7 @@ def launch(
         for i in range(processes):
             result = os.path.join(tmp, f"{i}.json")
             log = open(os.path.join(tmp, f"{i}.log"), "w+")
-            command = [sys.executable, "-m", "jaxshard._launch_worker"]
+            command = [sys.executable, "-m", "jaxshard._launch.worker"]
             spec = dict(
                 target=target,
                 coordinator=coordinator,

@@ -43,4 +43,6 @@ from typing import (
 
 
 if not TYPE_CHECKING:
-    raise ImportError("jaxshard._indirection is for static type checkers only")
+    raise ImportError(
+        "jaxshard._annotations.indirection is for static type checkers only"
+    )

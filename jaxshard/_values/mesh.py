@@ -18,8 +18,9 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from ._check_state import _BIG, _encode, _from_words, _words, Item
-from ._check_stats import (
+from .._jax_internals import is_batched
+from .state import _BIG, _encode, _from_words, _words, Item
+from .stats import (
     _all_reduce,
     _axes_of,
     _by_layout,
@@ -34,7 +35,6 @@ from ._check_stats import (
     _select,
     _stacked,
 )
-from ._jax_internals import is_batched
 
 
 def _statistics(items: list[Item]) -> list[tuple]:

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._spec import format_spec
+from .._annotations.spec import format_spec
 
 
 def _short(function: Any) -> str:
@@ -107,7 +107,7 @@ def report(violations: list, sites: list, head: str, inputs: list = ()) -> str:
     its call described): `head`, the likely cause in full, then the rest. `inputs`
     are the program's input arrays, `(path, array)`: one laid out unlike its
     siblings comes first."""
-    from ._sharding import call_numbers
+    from .layout import call_numbers
 
     numbers = call_numbers(sites + [v.site for v in violations])
     items = []

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._check_state import BATCH_DEPTH, CALL, CALLS, COUNT, STATE_SIZE
-from ._check_stats import _SELECTED, _selected, _stacked
+from .state import BATCH_DEPTH, CALL, CALLS, COUNT, STATE_SIZE
+from .stats import _SELECTED, _selected, _stacked
 
 
 # A once-evaluated site's row: its statistics, then its value words.

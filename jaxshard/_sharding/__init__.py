@@ -1,0 +1,11 @@
+"""Sharding contracts: is an array laid out as its annotation says?
+
+The dtype classes whose third item is a spec (`array_types`), the verdict on one array
+(`layout`: at once on concrete arrays and Explicit axes, by a probe XLA evaluates
+when it compiles on Auto axes), `jaxshard.jaxtyped` (`decorator`), a module's or a
+parameter tree's arrays (`tree`), what a function's annotations say about its inputs
+and outputs (`signature`: `jaxshard.shardings`) and, when many contracts fail at
+once, their likely cause (`diagnosis`).
+
+May import: `jaxshard._annotations` and the modules under it.
+"""

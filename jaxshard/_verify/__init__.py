@@ -1,0 +1,12 @@
+"""`jaxshard.verify`: compile a function for a mesh (a TPU pod's, on a CPU-only
+machine) and report every contract, the layouts XLA chose, memory, FLOPs and
+collectives.
+
+Abstract inputs from the annotations (`abstract`), TPU topologies' meshes (`tpu`),
+the compile and its report (`verify`, `report`), the collectives of a compiled
+program located in the user's code (`collectives`), golden snapshots and their
+differences (`snapshot`) and the command line (`cli`, `python -m jaxshard`).
+
+May import: `jaxshard._values`, `jaxshard._sharding`, `jaxshard._annotations` and the
+modules under them.
+"""
