@@ -126,10 +126,7 @@ from ._errors import (
 from ._jax_internals import TESTED_JAX as TESTED_JAX
 from ._launch.launch import launch as launch, ProcessOutcome as ProcessOutcome
 from ._sharding.decorator import jaxtyped as jaxtyped
-from ._sharding.signature import (
-    shard_map as shard_map,
-    shardings as shardings,
-)
+from ._sharding.signature import shardings as shardings
 from ._sharding.tree import (
     check_partitioning as check_partitioning,
     check_tree as check_tree,
@@ -142,6 +139,7 @@ from ._values.checks import (
     deferred_checks as deferred_checks,
     flush_checks as flush_checks,
 )
+from ._values.shard_map import shard_map as shard_map
 from ._values.sites import CheckError as CheckError, Failure as Failure
 from ._verify.abstract import abstract_args as abstract_args
 from ._verify.collectives import Collective as Collective

@@ -14,7 +14,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxshard
 from jaxshard import BY_NAME, Float, L
-from jaxshard._annotations.logical import normalise, resolve
+from jaxshard._annotations.logical import resolve
+from jaxshard._config import normalise
 
 
 LOGICAL = ["batch", "seq", "embed", "mlp", "heads", "kv", "vocab", "exp"]

@@ -173,6 +173,22 @@ def test_nnx_variables():
             jaxshard.check_partitioning(replicate(state, mesh))
 
 
+def test_nnx_variables_named_by_mesh_axes():
+    # nnx's own docs name mesh axes in `with_partitioning`, with no rules: they are
+    # read as mesh axes, with or without jaxshard's rules in force.
+    mesh = auto_mesh()
+    init = nnx.with_partitioning(nnx.initializers.ones, ("fsdp", "tp"))
+    with jax.set_mesh(mesh):
+        layer = nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0))
+        state = nnx.state(layer)
+        assert state["kernel"].get_value().sharding.spec == P("fsdp", "tp")
+        jaxshard.check_partitioning(state)
+        with jaxshard.axis_rules(RULES):
+            jaxshard.check_partitioning(state)
+        with pytest.raises(jaxshard.ShardingError, match=r"params\['kernel'\]"):
+            jaxshard.check_partitioning(replicate(state, mesh))
+
+
 def test_nnx_attributes_annotated_logically():
     mesh = auto_mesh()
 

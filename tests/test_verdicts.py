@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxshard
 from jaxshard import Float
-from jaxshard._sharding import layout as _sharding
+from jaxshard._sharding import probes
 
 
 U = P.UNCONSTRAINED
@@ -326,11 +326,11 @@ def numbered(x: Float[Array, "n", P("dp")]) -> Float[Array, "n", P("dp")]:
 def test_call_numbers_count_the_calls_of_one_program(auto_mesh):
     for n in (8, 16, 24):  # three programs whose checks pass
         jax.jit(numbered)(put((n,), auto_mesh, P("dp")))
-        assert not _sharding._checked  # nothing left of them
+        assert not probes._checked  # nothing left of them
     message = compiles(numbered, put((32,), auto_mesh, P("tp")))
     assert message is not None
     assert "numbered" in message and " of " not in message.split("\n")[1]
-    assert not _sharding._checked and not _sharding._pending
+    assert not probes._checked and not probes._pending
 
 
 # --- annotations are checked when they are made -------------------------------------
@@ -376,7 +376,7 @@ def test_a_probe_evaluated_op_by_op_raises_at_once(decorator, auto_mesh):
         assert "the return value" in str(e.value) and "this array is sharded" in str(
             e.value
         )
-        assert not _sharding._pending and not _sharding._checked
+        assert not probes._pending and not probes._checked
         jax.jit(lambda x: x * 2)(x)  # compiles, and reports nothing
 
 

@@ -12,13 +12,14 @@ import collections
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec
 
 from .. import _config
+from .._config import AxisRules, normalise
 from .._errors import AnnotationError
 from .spec import format_spec
 
@@ -94,75 +95,6 @@ BY_NAME = _ByName()
 
 
 # --- rules --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class AxisRules:
-    """A rule table, normalised: `(logical name, mesh axes)` pairs in order of
-    precedence, the mesh axes `None`, a name or a tuple of names.
-
-    `unknown`: what a logical name no rule mentions means in an `L(...)` spec,
-    `"error"` (the default) or `"replicated"` (flax's fallback). `name`: what messages
-    call the table (`"fsdp_tp"`); `source`: where it came from.
-    """
-
-    rules: tuple[tuple[str, Any], ...]
-    unknown: str = "error"
-    name: str | None = None
-    source: str = "jaxshard.axis_rules"
-
-    @property
-    def known(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(logical for logical, _ in self.rules))
-
-    def describe(self) -> str:
-        if self.name:
-            return f"the axis rules {self.name!r}"
-        return f"the axis rules in force (from {self.source})"
-
-
-def normalise(rules: Any, *, unknown: str = "error", name: Any = None) -> AxisRules:
-    """`rules` (a mapping, or `(logical, mesh_axes)` pairs as flax and MaxText write
-    them, lists for tuples allowed) as an `AxisRules`; a clear error for anything
-    else."""
-    if isinstance(rules, AxisRules):
-        return rules
-    if unknown not in ("error", "replicated"):
-        raise ValueError(
-            f"jaxshard.axis_rules: `unknown` is 'error' (a logical name with no rule "
-            f"is an error) or 'replicated'; got {unknown!r}."
-        )
-    if name is not None and not isinstance(name, str):
-        raise TypeError(f"jaxshard.axis_rules: `name` takes a string; got {name!r}.")
-    pairs = rules.items() if isinstance(rules, Mapping) else rules
-    out = []
-    try:
-        for pair in pairs:
-            logical, mesh = pair
-            out.append((logical, _mesh_axes(mesh)))
-            if not isinstance(logical, str):
-                raise ValueError
-    except (TypeError, ValueError):
-        raise TypeError(
-            "jaxshard.axis_rules takes a rule table: a mapping or a sequence of "
-            "(logical name, mesh axes) pairs, the mesh axes a name, a tuple of names "
-            "or None, e.g. [('batch', ('dp', 'fsdp')), ('embed', 'fsdp'), ('mlp', "
-            f"'tp'), ('seq', None)]; got {_short(rules)}."
-        ) from None
-    return AxisRules(tuple(out), unknown, name)
-
-
-def _mesh_axes(mesh: Any) -> Any:
-    if mesh is None or isinstance(mesh, str):
-        return mesh
-    if isinstance(mesh, (list, tuple)) and all(isinstance(a, str) for a in mesh):
-        return tuple(mesh)
-    raise ValueError
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def flax_rules() -> AxisRules | None:

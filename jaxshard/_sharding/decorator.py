@@ -32,14 +32,14 @@ def note_failure(
     (`sharding=False`) the shape check of a `shard_map` block. Costs nothing when no
     such call is active."""
     if _notes.frames:
-        from .layout import where
+        from .describe import where
 
         function, name = where(obj, annotation)
         _notes.frames[-1].append((function, name, reason, sharding))
 
 
 def _details(notes: list[tuple[str, str, str, bool]]) -> str:
-    from .layout import subject
+    from .describe import subject
 
     lines = ["----------------------", "Sharding:"]
     for function, name, reason, _ in dict.fromkeys(notes):

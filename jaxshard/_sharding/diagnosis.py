@@ -23,6 +23,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._annotations.spec import format_spec
+from .sites import call_numbers
 
 
 def _short(function: Any) -> str:
@@ -107,8 +108,6 @@ def report(violations: list, sites: list, head: str, inputs: list = ()) -> str:
     its call described): `head`, the likely cause in full, then the rest. `inputs`
     are the program's input arrays, `(path, array)`: one laid out unlike its
     siblings comes first."""
-    from .layout import call_numbers
-
     numbers = call_numbers(sites + [v.site for v in violations])
     items = []
     for v in violations:

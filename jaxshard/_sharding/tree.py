@@ -15,7 +15,7 @@ from .._annotations.spec import axes_of
 from .._errors import ShardingError, TypeCheckError
 from .._jax_internals import ArrayMeta
 from .array_types import _MetaShardedArray, Shaped
-from .layout import naming
+from .describe import naming
 
 
 _union_types = (typing.Union, type(int | str))
@@ -336,7 +336,10 @@ def _metadata(leaf: Any) -> tuple[Any, Any]:
         if names is None:
             return None, None
         if flax_rules() is None and not metadata.get("sharding_rules"):
-            return L(*names), None  # jaxshard's rules, if any, map the names
+            # Mesh axes, as nnx reads them; logical names if the rules in force
+            # know them and the mesh does not.
+            spec = PartitionSpec(*names)
+            return _logical_if_named(spec, _unboxed(leaf)), None
         # As nnx placed it: its own renaming by flax's rules (a name without a rule
         # stays as it is, a mesh axis).
         from flax import nnx
@@ -395,7 +398,7 @@ def _annotation(spec: Any) -> Any:
 class _PartitionedMeta(type):
     def __instancecheck__(cls, value: Any) -> bool:
         from .decorator import note_failure
-        from .layout import where
+        from .describe import where
 
         _, parameter = where(value)
         try:

@@ -14,7 +14,7 @@ import dataclasses
 import functools as ft
 import threading
 import weakref
-from typing import Any, TYPE_CHECKING
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,10 +43,6 @@ from .state import (
     State,
 )
 from .stats import _linear_index
-
-
-if TYPE_CHECKING:
-    from .frames import Findings, Frame
 
 
 _generation = [0]  # bumped when deferred counting restarts: call indices start at 0
@@ -81,8 +77,8 @@ class Scope:
         # Compiled calls in deferred mode: the findings not read yet, with their
         # calls' indices, and per frame (trace) the failures read so far, as whole
         # states (`_add_found`).
-        self._pending: collections.deque[tuple[int, "Findings"]] = collections.deque()
-        self._found: dict["Frame", np.ndarray] = {}
+        self._pending: collections.deque[tuple[int, Any]] = collections.deque()
+        self._found: dict[Any, np.ndarray] = {}  # by `frames.Frame`
         self._copy: bool | None = None  # whether findings are copied to the host
 
     def next_call(self) -> int:

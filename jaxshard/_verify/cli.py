@@ -390,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rules = None
         if args.rules is not None:
             rules = _load_object(args.rules, "--rules")
-            from jaxshard._annotations.logical import normalise
+            from jaxshard._config import normalise
 
             try:
                 rules = normalise(rules() if inspect.isfunction(rules) else rules)

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._annotations.spec import format_spec
 from .._errors import expect
-from .._sharding.layout import (
+from .._sharding.describe import (
     describe_bytes as _bytes,
     describe_devices,
     describe_mesh,

@@ -17,7 +17,7 @@ from typing import Any
 from jax.sharding import NamedSharding
 
 from .._annotations.spec import format_spec, sharded_type
-from .._sharding.layout import describe_bytes, describe_devices, describe_sharding
+from .._sharding.describe import describe_bytes, describe_devices, describe_sharding
 
 
 FORMAT = 1

@@ -30,16 +30,14 @@ from .._jax_internals import function_name, is_sharding_type_error
 from .._sharding import diagnosis
 from .._sharding.array_types import partition_spec
 from .._sharding.decorator import checked_by_jaxshard
-from .._sharding.layout import (
-    call_numbers,
-    describe_call,
+from .._sharding.describe import (
     describe_devices,
     describe_mesh,
     describe_sharding,
     naming,
-    Site,
 )
 from .._sharding.signature import _name, _POSITIONAL, _tree, signature
+from .._sharding.sites import call_numbers, describe_call, Site
 from .._sharding.tree import check_partitioning, Partitioned
 from .abstract import _bound_inputs
 from .collectives import _is_user_code, collectives, user_frames_by_op
@@ -201,6 +199,43 @@ def verify(
         del arguments["fn"], arguments["rules"]
         with using(rules):
             return verify(fn, **arguments)
+    _validate(fn, mesh, dims, values, against, tolerance)
+    _check_budget(
+        max_collectives,
+        max_collective_bytes,
+        hbm_budget,
+        min_sharded_fraction,
+        max_replicated_bytes,
+    )
+    # Read first: a missing or wrong file fails before anything is compiled.
+    golden = None if against is None else load_snapshot(against)
+    inputs = _Inputs.of(fn, mesh, dims, dtypes, values)
+    compiled, refused, chains, recorder, notes = _compiled(inputs, mesh)
+    report = _report(
+        inputs,
+        mesh,
+        compiled,
+        refused,
+        chains,
+        recorder,
+        notes,
+        budgets=(max_collectives, max_collective_bytes, hbm_budget),
+        sharded=(min_sharded_fraction, max_replicated_bytes),
+    )
+    if golden is not None:
+        rows = report.rows + report._differences(golden, against, tolerance)
+        found = report.collectives
+        report = dataclasses.replace(report, rows=rows)
+        report.__dict__["collectives"] = found
+    if raise_on_error and not report.ok:
+        raise _error(report, inputs.name, mesh)
+    return report
+
+
+# --- the phases of `verify` ---------------------------------------------------------
+
+
+def _validate(fn, mesh, dims, values, against, tolerance) -> None:
     expect_callable("verify", fn)
     expect(
         isinstance(mesh, Mesh),
@@ -210,126 +245,168 @@ def verify(
         mesh,
     )
     expect(dims is None or isinstance(dims, Mapping), "verify", "dims", "a dict", dims)
-    _check_budget(
-        max_collectives,
-        max_collective_bytes,
-        hbm_budget,
-        min_sharded_fraction,
-        max_replicated_bytes,
-    )
     given = values is None or isinstance(values, Mapping)
     expect(given, "verify", "values", "a dict", values)
     given = against is None or isinstance(against, (str, os.PathLike))
     expect(given, "verify", "against", "the path of a snapshot", against)
     _check_tolerance(tolerance)
-    # Read first: a missing or wrong file fails before anything is compiled.
-    golden = None if against is None else load_snapshot(against)
-    if hasattr(fn, "scope") and hasattr(fn, "__wrapped__"):
-        # `jaxshard.checked(step)`: the step, whose value checks verify compiles in.
-        fn = fn.__wrapped__
-    module = fn if tensors.is_compiled_module(fn) else None
-    if module is not None:  # torchax.compile(module): its forward, and its weights
-        fn = tensors.module_forward(module)
-    name = _name(fn)
-    what = f"jaxshard.verify({name})"
-    bound = _bound_inputs(fn, mesh, dims, dtypes, values, what)
-    sig, hints = signature(fn)
-    traced = {k: v for k, v in bound.items() if _is_input(v)}
-    static = {k: v for k, v in bound.items() if k not in traced}
-    target = inspect.unwrap(getattr(fn, "__func__", fn))
-    qualname = function_name(target)
-    if module is None:
-        checked = checked_by_jaxshard(fn)
-    else:
-        # The weights are inputs too, laid out on `mesh` as they are now.
-        traced["self"] = tensors.abstract_weights(module, mesh, what)
-        checked = tensors.module_call(module, checked_by_jaxshard(fn.__func__))
 
-    def program(inputs):
-        given = {**static, **inputs}
-        if module is not None:
-            given = tensors.from_jax(given)
-        args, kwargs = [], {}
-        order = list(sig.parameters)
-        for p in sig.parameters.values():
-            if p.name not in given:
-                continue
-            # Positionally while none is skipped: a jit with in_shardings takes no
-            # keyword arguments.
-            if (
-                p.kind in _POSITIONAL
-                and not kwargs
-                and len(args) == order.index(p.name)
-            ):
-                args.append(given[p.name])
-            else:
-                kwargs[p.name] = given[p.name]
-        for p, value in given.items():
-            _check_leaves(qualname, p, hints.get(p), value)
-        if module is not None:
-            args.insert(0, given["self"])
-        out = checked(*args, **kwargs)
-        _check_leaves(qualname, "return", hints.get("return"), out)
-        return out if module is None else tensors.to_jax(out)
 
-    program.__name__ = program.__qualname__ = name.rsplit(".", 1)[-1]
-    recorder, notes = Recorder(qualname), ()
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What `verify` compiles: the function, called as `checked`, with its abstract
+    inputs (`traced`) and its static ones."""
+
+    name: str  # the function's, as messages give it
+    qualname: Any  # `function_name` of the function itself
+    checked: Callable  # the function, checked by jaxshard
+    traced: dict[str, Any]
+    static: dict[str, Any]
+    sig: inspect.Signature
+    hints: dict[str, Any]
+    module: Any  # a `torchax.compile`d module, or None
+
+    @classmethod
+    def of(cls, fn, mesh, dims, dtypes, values) -> "_Inputs":
+        if hasattr(fn, "scope") and hasattr(fn, "__wrapped__"):
+            # `jaxshard.checked(step)`: the step, whose value checks verify compiles.
+            fn = fn.__wrapped__
+        module = fn if tensors.is_compiled_module(fn) else None
+        if module is not None:  # torchax.compile(module): its forward, and weights
+            fn = tensors.module_forward(module)
+        name = _name(fn)
+        what = f"jaxshard.verify({name})"
+        bound = _bound_inputs(fn, mesh, dims, dtypes, values, what)
+        sig, hints = signature(fn)
+        traced = {k: v for k, v in bound.items() if _is_input(v)}
+        static = {k: v for k, v in bound.items() if k not in traced}
+        qualname = function_name(inspect.unwrap(getattr(fn, "__func__", fn)))
+        if module is None:
+            checked = checked_by_jaxshard(fn)
+        else:
+            # The weights are inputs too, laid out on `mesh` as they are now.
+            traced["self"] = tensors.abstract_weights(module, mesh, what)
+            checked = tensors.module_call(module, checked_by_jaxshard(fn.__func__))
+        return cls(name, qualname, checked, traced, static, sig, hints, module)
+
+    def program(self) -> Callable:
+        """The function of the abstract inputs that is compiled: `fn` called with
+        them and the static values, every annotated leaf checked."""
+        module, sig, hints = self.module, self.sig, self.hints
+
+        def program(inputs):
+            given = {**self.static, **inputs}
+            if module is not None:
+                given = tensors.from_jax(given)
+            args, kwargs = [], {}
+            order = list(sig.parameters)
+            for p in sig.parameters.values():
+                if p.name not in given:
+                    continue
+                # Positionally while none is skipped: a jit with in_shardings takes
+                # no keyword arguments.
+                if (
+                    p.kind in _POSITIONAL
+                    and not kwargs
+                    and len(args) == order.index(p.name)
+                ):
+                    args.append(given[p.name])
+                else:
+                    kwargs[p.name] = given[p.name]
+            for p, value in given.items():
+                _check_leaves(self.qualname, p, hints.get(p), value)
+            if module is not None:
+                args.insert(0, given["self"])
+            out = self.checked(*args, **kwargs)
+            _check_leaves(self.qualname, "return", hints.get("return"), out)
+            return out if module is None else tensors.to_jax(out)
+
+        program.__name__ = program.__qualname__ = self.name.rsplit(".", 1)[-1]
+        return program
+
+
+def _compiled(inputs: _Inputs, mesh: Mesh) -> tuple:
+    """`(compiled, refused, chains, recorder, notes)`: the program compiled for
+    `mesh` (None if XLA refused it for not fitting, `refused` saying why), each
+    op's frames in the user's code, the contracts recorded and what the report must
+    say of how it was compiled."""
+    program, name = inputs.program(), inputs.name
+    recorder, notes = Recorder(inputs.qualname), ()
     try:
-        compiled, refused, chains = _compile(program, traced, mesh, recorder, name)
+        compiled, refused, chains = _compile(
+            program, inputs.traced, mesh, recorder, name
+        )
     except _NoCustomPartitioning:
         # XLA's TPU compiler, loaded for a topology here, cannot partition the
         # value checks of Auto axes: the program is compiled without them, and the
         # report says so. Contracts, memory and collectives are the program's.
-        recorder, notes = Recorder(qualname), (_checks_compiled_out(mesh),)
+        recorder, notes = Recorder(inputs.qualname), (_checks_compiled_out(mesh),)
         with _config.overriding(checks="off"):
-            compiled, refused, chains = _compile(program, traced, mesh, recorder, name)
+            compiled, refused, chains = _compile(
+                program, inputs.traced, mesh, recorder, name
+            )
+    return compiled, refused, chains, recorder, notes
+
+
+def _report(
+    inputs: _Inputs,
+    mesh: Mesh,
+    compiled: Any,
+    refused: str,
+    chains: dict,
+    recorder: "Recorder",
+    notes: tuple,
+    budgets: tuple,
+    sharded: tuple,
+) -> Report:
+    """The report of a compiled program: its contracts, layouts, memory, FLOPs and
+    collectives, and the budgets' rows."""
+    qualname = inputs.qualname
     if compiled is None:
-        found, memory, inputs, outputs = (), None, {}, {}
+        found, memory, ins, outs = (), None, {}, {}
         budget = (_does_not_fit(refused),)
     else:
         text = compiled.as_text()
         found = collectives(text, mesh, chains, qualname.qualname)
         if re.search(r"\bwhile\(", text):
             notes += (
-                "FLOPs count each loop's body once, as XLA's cost analysis does: "
-                "for a model that scans its layers, one layer's.",
+                "FLOPs count each loop's body once, as XLA's cost analysis does: for "
+                "a model that scans its layers, one layer's.",
             )
         memory = _memory(compiled, mesh)
-        inputs = layouts(traced, compiled.input_shardings[0])
-        outputs = layouts(compiled.out_info, compiled.output_shardings, "return")
-        budget = _budget_rows(
-            found, max_collectives, max_collective_bytes, memory, hbm_budget
-        ) + sharding_budget_rows(inputs, min_sharded_fraction, max_replicated_bytes)
+        ins = layouts(inputs.traced, compiled.input_shardings[0])
+        outs = layouts(compiled.out_info, compiled.output_shardings, "return")
+        budget = _budget_rows(found, *budgets[:2], memory, budgets[2])
+        budget += sharding_budget_rows(ins, *sharded)
     # A budget is the verified function's.
     budget = tuple(dataclasses.replace(r, function=qualname.qualname) for r in budget)
     report = Report(
-        function=name,
+        function=inputs.name,
         mesh=mesh,
         rows=recorder.rows() + budget,
         memory=memory,
         flops=None if compiled is None else _flops(compiled),
         compiled=compiled,
-        inputs=inputs,
-        outputs=outputs,
+        inputs=ins,
+        outputs=outs,
         notes=notes,
     )
     report.__dict__["collectives"] = found  # what the cached property would compute
-    if golden is not None:
-        rows = report.rows + report._differences(golden, against, tolerance)
-        report = dataclasses.replace(report, rows=rows)
-        report.__dict__["collectives"] = found
-    if raise_on_error and not report.ok:
-        head = (
-            f"{tally(report.violations)} when {name} was compiled for mesh "
-            f"{describe_mesh(mesh)} ({describe_devices(mesh)})"
-        )
-        inputs = list(report.inputs.items())  # by path
-        error = ShardingError(
-            diagnosis.report_rows(report.violations, head, inputs, _violation)
-        )
-        error.report = report  # pyright: ignore[reportAttributeAccessIssue]
-        raise error
     return report
+
+
+def _error(report: Report, name: str, mesh: Mesh) -> ShardingError:
+    """The error for a report with violations: the likely cause first."""
+    head = (
+        f"{tally(report.violations)} when {name} was compiled for mesh "
+        f"{describe_mesh(mesh)} ({describe_devices(mesh)})"
+    )
+    inputs = list(report.inputs.items())  # by path
+    error = ShardingError(
+        diagnosis.report_rows(report.violations, head, inputs, _violation)
+    )
+    error.report = report  # pyright: ignore[reportAttributeAccessIssue]
+    return error
 
 
 def _sharding_type_error(name: str, mesh: Mesh, error: Exception) -> str:
