@@ -136,7 +136,7 @@ def soak(session):
     _install(session, NEWEST[1], "test")
     examples = session.posargs[0] if session.posargs else "10000"
     env = {"JAX_PLATFORMS": "cpu", "JAXSHARD_PROPERTY_EXAMPLES": examples}
-    session.run("pytest", "tests/test_properties.py", "-q", env=env)
+    session.run("pytest", "tests/sharding/test_properties.py", "-q", env=env)
 
 
 @nox.session

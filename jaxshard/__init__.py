@@ -131,13 +131,15 @@ from ._sharding.tree import (
     check_partitioning as check_partitioning,
     check_tree as check_tree,
 )
+from ._values.checked import (
+    checked as checked,
+    deferred_checks as deferred_checks,
+    flush_checks as flush_checks,
+)
 from ._values.checks import (
     check as check,
     check_finite as check_finite,
     check_range as check_range,
-    checked as checked,
-    deferred_checks as deferred_checks,
-    flush_checks as flush_checks,
 )
 from ._values.shard_map import shard_map as shard_map
 from ._values.sites import CheckError as CheckError, Failure as Failure

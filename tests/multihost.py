@@ -1,7 +1,7 @@
-"""What each process runs in the multi-process tests (`test_multihost.py`), through
-`jaxshard.launch`. Every function here runs in every process, on a mesh over every
-process's devices; arrays are built a shard at a time, so each process holds only
-its own rows."""
+"""What each process runs in the multi-process tests
+(`tests/values/test_multihost.py`), through `jaxshard.launch`. Every function here
+runs in every process, on a mesh over every process's devices; arrays are built a
+shard at a time, so each process holds only its own rows."""
 
 import json
 

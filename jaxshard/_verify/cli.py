@@ -365,7 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         fn = _load(args.function)
         values = _values(args.values)
         budget = _budget(args.max_collectives)
-        from jaxshard._verify.report import _check_budget, _check_tolerance
+        from jaxshard._verify.budgets import _check_budget
+        from jaxshard._verify.report import _check_tolerance
         from jaxshard._verify.snapshot import load as load_snapshot
 
         try:

@@ -40,19 +40,21 @@ from .._sharding.signature import _name, _POSITIONAL, _tree, signature
 from .._sharding.sites import call_numbers, describe_call, Site
 from .._sharding.tree import check_partitioning, Partitioned
 from .abstract import _bound_inputs
-from .collectives import _is_user_code, collectives, user_frames_by_op
-from .report import (
+from .budgets import (
     _budget_rows,
     _check_budget,
-    _check_tolerance,
     _does_not_fit,
+    layouts,
+    sharding_budget_rows,
+)
+from .collectives import _is_user_code, collectives, user_frames_by_op
+from .report import (
+    _check_tolerance,
     _flops,
     _memory,
     _violation,
-    layouts,
     Report,
     Row,
-    sharding_budget_rows,
     tally,
 )
 from .snapshot import load as load_snapshot

@@ -184,5 +184,5 @@ def test_a_collective_shows_the_calls_that_led_to_it(auto_mesh):
     functions = [function for _, _, function in found.chain]
     assert functions == ["project", "attention", "block", "layered"], found.chain
     assert found.chain[1][1] == line_of(attention, "project(")
-    assert found.where.startswith("tests/test_collectives.py:")
+    assert found.where.startswith("tests/verify/test_collectives.py:")
     assert " ← :" in found.where and "(attention)" in found.where

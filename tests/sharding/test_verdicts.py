@@ -1,7 +1,7 @@
 """The same verdict for the same array and annotation on every path, one message
 naming the value that failed, and no state that outlives its call or program: the
-cases a differential soak against jaxtyping and JAX found (tests/test_properties.py
-keeps looking for more)."""
+cases a differential soak against jaxtyping and JAX found
+(tests/sharding/test_properties.py keeps looking for more)."""
 
 import asyncio
 import warnings

@@ -10,7 +10,7 @@ import pytest
 import jaxshard
 
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 LIMIT = 120  # seconds a launch may take; a process still running then is killed
 PROMPT = LIMIT / 2  # "well within the limit"
 DEVICES = 8  # in all, over the processes

@@ -1,0 +1,151 @@
+"""`jaxshard.checked`: a function whose value checks are read, and the modes:
+"raise" reads the findings after each call, "deferred" keeps them until
+`flush_checks()` (or the end of `deferred_checks()`), "off" compiles no check. Where
+the findings live, and who reads them, is in `records`."""
+
+import functools as ft
+from collections.abc import Callable
+
+from .. import _config
+from .._annotations import tensors
+from .._errors import expect_callable, ShardingError
+from .._jax_internals import in_trace, jit_parameters
+from .._sharding import diagnosis
+from .frames import _compiled
+from .records import _generation, deferred_scopes, Scope
+from .sites import CheckError
+
+
+def checked(fn: Callable) -> Callable:
+    """Turns the `jaxshard.check`s made while running `fn` into error flags.
+
+    Each check made while `fn` runs (inside `jax.jit`, `vmap`, loops, `grad`, ...)
+    computes its predicate in the same compiled program and records what it found on
+    the device. After the call, in the default "raise" mode, the checks' findings
+    are read and a `jaxshard.CheckError` is raised listing every failed check, in
+    program order. In "deferred" mode (`jaxshard.config(checks="deferred")`, or inside
+    `jaxshard.deferred_checks()`) nothing is read: failures accumulate on the device
+    until `jaxshard.flush_checks()`. In "off" mode checks are not even traced.
+
+    A `jax.jit` function (`checked(jax.jit(f))`) runs as one program that also
+    returns what its checks found, dispatched by JAX like any jitted function, with
+    `f`'s static and donated arguments kept. For any other `fn`, the checks' state
+    lives on the device between calls, as `jax.Ref`s its programs take.
+
+    With donated arguments (`jax.jit(f, donate_argnums=...)`), a call that fails in
+    "raise" mode has already consumed them: keep a copy of the state before the
+    call (`jax.tree.map(jnp.copy, state)`) to roll back to, or use deferred mode with
+    checkpoints (see "Donated arguments" in the value contracts guide).
+
+    **Arguments:**
+
+    - `fn`: any function, jitted or not; `checked(jax.jit(f))` and
+        `jax.jit(checked(f))`'s inner use both work. The wrapper itself must be called
+        outside `jax.jit`.
+
+    **Returns:**
+
+    A function with `fn`'s signature and return value.
+
+    !!! Example
+
+        ```python
+        @jaxshard.checked
+        @jax.jit
+        def step(params, batch):
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            jaxshard.check(jnp.isfinite(loss), "loss is {loss}", loss=loss)
+            return update(params, grads)
+        ```
+    """
+    expect_callable("checked", fn)
+    named = tensors.compiled_function(fn) or fn  # torchax.compile(f): f
+    scope = Scope(getattr(named, "__qualname__", repr(named)))
+    compiled = _compiled(fn)
+
+    @ft.wraps(fn)
+    def wrapper(*args, **kwargs):
+        __tracebackhide__ = True
+        checks = _config.current().checks
+        if checks == "off":
+            return fn(*args, **kwargs)
+        if in_trace():
+            raise RuntimeError(
+                f"jaxshard.checked({scope.name}) was called inside a trace (inside "
+                "jax.jit?). Call the checked function from outside jit, or put the "
+                "jit inside: jaxshard.checked(jax.jit(f))."
+            )
+        try:
+            if compiled is not None:
+                # No scope to set: the program sets its own while it is traced, and
+                # an unchanged context keeps the call on jit's fast path.
+                return scope.run_compiled(compiled, checks, args, kwargs)
+            scope.begin_call(args, kwargs)
+            with _config.overriding(check_scope=scope):
+                out = fn(*args, **kwargs)
+        except ValueError as e:
+            if not diagnosis.is_jit_mismatch(e):
+                raise
+            raise ShardingError(_jit_mismatch(scope.name, fn, args, kwargs)) from None
+        if checks == "raise":
+            failures = scope.take_failures(deferred=False)
+            if failures:
+                raise CheckError(failures, when=f" in {scope.name}")
+        else:
+            deferred_scopes.add(scope)
+        return out
+
+    if compiled is not None:
+
+        def lower(*args, **kwargs):
+            """The program a call with these arguments runs in the mode in force,
+            lowered, as `jax.jit(f).lower` (e.g. to read its HLO)."""
+            if _config.current().checks == "off":
+                return fn.lower(*args, **kwargs)
+            return compiled.lower(*args, **kwargs)
+
+        wrapper.lower = lower  # pyright: ignore[reportAttributeAccessIssue]
+    wrapper.scope = scope  # pyright: ignore[reportAttributeAccessIssue]
+    return wrapper
+
+
+def _jit_mismatch(name: str, fn: Callable, args: tuple, kwargs: dict) -> str:
+    """jit's refusal of an argument laid out otherwise than its in_shardings, as a
+    message naming the argument by its path."""
+    params = jit_parameters(fn) or {}
+    function = params.get("fun", fn)
+    shardings = params.get("in_shardings")
+    what = f"jaxshard.checked({name})"
+    return diagnosis.jit_mismatch(what, function, shardings, args, kwargs)
+
+
+def flush_checks() -> None:
+    """Reads the flags of every `checked` function called in deferred mode since the
+    last flush, and raises `jaxshard.CheckError` listing every failure (with the call
+    where each first failed). Call indices start again from 0 afterwards."""
+    failures = []
+    for scope in sorted(deferred_scopes, key=lambda s: s.name):
+        failures += scope.take_failures(deferred=True)
+    deferred_scopes.clear()
+    _generation[0] += 1
+    if failures:
+        raise CheckError(failures, when=" (deferred)")
+
+
+class deferred_checks:
+    """`with jaxshard.deferred_checks():` runs `checked` functions in deferred mode
+    and flushes when the block ends: failures raise `jaxshard.CheckError` there, each
+    with the index of the call (from 0 at the start of the block) where it first
+    failed. An exception leaving the block is not masked."""
+
+    def __enter__(self):
+        _generation[0] += 1
+        self._config = _config.config(checks="deferred")
+        self._config.__enter__()
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        self._config.__exit__(kind, value, traceback)
+        if kind is None:
+            flush_checks()
+        return False

@@ -1,0 +1,199 @@
+"""The budgets `jaxshard.verify` checks a compiled program against: collectives per
+kind and bytes moved, memory per device against the budget and the HBM of the mesh's
+chips, and how much of the inputs is sharded; and the inputs' and outputs' layouts
+these are read from."""
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._errors import expect
+from .._sharding.describe import (
+    describe_bytes as _bytes,
+)
+from .collectives import Collective, KINDS
+from .report import _over_budget, Memory, Row
+
+
+def layouts(values: Any, shardings: Any, root: str = "") -> dict[str, Any]:
+    """Path -> `jax.ShapeDtypeStruct` with its sharding, for each array in `values`
+    (a dict of parameters, with `root=""`: `params.wq`, `x`; or an output, with
+    `root="return"`: `return['loss']`)."""
+    leaves = jax.tree_util.tree_flatten_with_path(values)[0]
+    out = {}
+    for (path, leaf), sharding in zip(leaves, jax.tree_util.tree_leaves(shardings)):
+        if not root:  # the first key is the parameter's name: `params['w1']`
+            first = getattr(path[0], "key", None) if path else None
+            name = f"{first}{jax.tree_util.keystr(path[1:])}" if first else str(path)
+        else:
+            name = root + jax.tree_util.keystr(path)
+        out[name] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+    return out
+
+
+def sharding_budget_rows(
+    inputs: Mapping[str, Any],
+    min_sharded_fraction: float | None,
+    max_replicated_bytes: int | None,
+) -> tuple[Row, ...]:
+    """Rows for the sharding budgets the parameters (`layouts`) break: the fraction
+    of their bytes that is split over devices (not fully replicated), and the bytes
+    of fully replicated parameters that every device holds. Each lists the largest
+    replicated parameters first."""
+    if min_sharded_fraction is None and max_replicated_bytes is None:
+        return ()
+    sizes = []
+    for name, leaf in inputs.items():
+        size = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        replicated = bool(getattr(leaf.sharding, "is_fully_replicated", True))
+        sizes.append((name, size, replicated))
+    total = sum(size for _, size, _ in sizes) or 1
+    replicated = sorted((s for s in sizes if s[2]), key=lambda s: -s[1])
+    worst = "; ".join(f"{p} {_bytes(n)}" for p, n, _ in replicated[:5])
+    worst = f" The largest replicated: {worst}." if worst else ""
+    rows = []
+    fraction = 1 - sum(n for _, n, _ in replicated) / total
+    if min_sharded_fraction is not None and fraction < min_sharded_fraction:
+        rows.append(
+            _sharding_row(
+                "sharded fraction",
+                f">= {min_sharded_fraction:.0%}",
+                f"{fraction:.1%}",
+                f"{fraction:.1%} of the parameters' bytes are split over devices, "
+                f"less than min_sharded_fraction ({min_sharded_fraction:.0%}).{worst}",
+            )
+        )
+    kept = sum(n for _, n, _ in replicated)
+    if max_replicated_bytes is not None and kept > max_replicated_bytes:
+        rows.append(
+            _sharding_row(
+                "replicated bytes",
+                f"<= {_bytes(max_replicated_bytes)}",
+                _bytes(kept),
+                f"every device holds {_bytes(kept)} of fully replicated parameters, "
+                f"more than max_replicated_bytes ({_bytes(max_replicated_bytes)})."
+                + worst,
+            )
+        )
+    return tuple(rows)
+
+
+def _sharding_row(what: str, expected: str, actual: str, reason: str) -> Row:
+    return _over_budget(
+        f"parameters: {what}", expected, actual, reason, f"{what} {expected}"
+    )
+
+
+def _does_not_fit(xla_says: str) -> Row:
+    """The row of a program XLA refused to compile for want of memory."""
+    return _over_budget(
+        "memory per device",
+        "<= HBM",
+        "more",
+        f"the program does not fit on a device; XLA refused it: {xla_says}",
+        annotation="memory <= the device's HBM",
+    )
+
+
+def _check_budget(
+    max_collectives: Any = None,
+    max_bytes: Any = None,
+    hbm_budget: Any = None,
+    min_sharded_fraction: Any = None,
+    max_replicated_bytes: Any = None,
+) -> None:
+    """`verify`'s budgets, checked before anything is compiled."""
+    fine = hbm_budget is None or (isinstance(hbm_budget, int) and hbm_budget > 0)
+    expect(fine, "verify", "hbm_budget", "a number of bytes", hbm_budget)
+    fraction = min_sharded_fraction
+    fine = fraction is None or (
+        isinstance(fraction, (int, float)) and 0 <= fraction <= 1
+    )
+    expect(fine, "verify", "min_sharded_fraction", "a fraction from 0 to 1", fraction)
+    most = max_replicated_bytes
+    fine = most is None or (isinstance(most, int) and most >= 0)
+    expect(fine, "verify", "max_replicated_bytes", "a number of bytes", most)
+    accepts = f"a dict of collective kinds ({', '.join(KINDS)}) to counts"
+    given = max_collectives is None or isinstance(max_collectives, Mapping)
+    expect(given, "verify", "max_collectives", accepts, max_collectives)
+    for kind, count in (max_collectives or {}).items():
+        if kind not in KINDS:
+            raise ValueError(
+                f"jaxshard.verify: max_collectives names {kind!r}, which is not a "
+                f"collective; the kinds are {', '.join(KINDS)}."
+            )
+        expect(
+            isinstance(count, int) and count >= 0,
+            "verify",
+            f"max_collectives[{kind!r}]",
+            "a count (an int, 0 or more)",
+            count,
+        )
+    fine = max_bytes is None or (isinstance(max_bytes, int) and max_bytes >= 0)
+    expect(fine, "verify", "max_collective_bytes", "a number of bytes", max_bytes)
+
+
+def _budget_rows(
+    found: tuple[Collective, ...],
+    max_collectives: Any,
+    max_bytes: int | None,
+    memory: Memory | None = None,
+    hbm_budget: int | None = None,
+) -> tuple[Row, ...]:
+    """A violated row for each budget the program exceeds: its collectives', and
+    its memory per device (the device's HBM, and `hbm_budget`)."""
+    rows = []
+    if memory is not None:
+        limits = [b for b in (memory.hbm_bytes, hbm_budget) if b is not None]
+        if limits and memory.total > min(limits):
+            limit = min(limits)
+            what = "the device's HBM" if limit == memory.hbm_bytes else "hbm_budget"
+            rows.append(
+                _over_budget(
+                    "memory per device",
+                    f"<= {_bytes(limit)}",
+                    _bytes(memory.total),
+                    f"the program needs {_bytes(memory.total)} per device "
+                    f"(arguments {_bytes(memory.arguments)}, outputs "
+                    f"{_bytes(memory.outputs)}, temporaries "
+                    f"{_bytes(memory.temporaries)}), more than {what} "
+                    f"({_bytes(limit)}).",
+                    annotation=f"memory <= {_bytes(limit)}",
+                )
+            )
+    for kind, limit in (max_collectives or {}).items():
+        these = [c for c in found if c.kind == kind]
+        if len(these) > limit:
+            rows.append(_budget_row(kind, f"<= {limit}", str(len(these)), these))
+    total = sum(c.bytes for c in found)
+    if max_bytes is not None and total > max_bytes:
+        rows.append(
+            _budget_row(
+                "bytes",
+                f"<= {_bytes(max_bytes)}",
+                _bytes(total),
+                list(found),
+            )
+        )
+    return tuple(rows)
+
+
+def _budget_row(what: str, expected: str, actual: str, culprits: list) -> Row:
+    culprits = sorted(culprits, key=lambda c: -c.bytes)
+    listed = "; ".join(
+        f"{c.kind} of {_bytes(c.bytes)}"
+        + ("" if c.axes is None else f" over {', '.join(c.axes) or '(none)'}")
+        + f" at {c.where}"
+        for c in culprits[:5]
+    )
+    more = f" (and {len(culprits) - 5} more)" if len(culprits) > 5 else ""
+    noun = "bytes moved per device" if what == "bytes" else f"{what}s"
+    return _over_budget(
+        f"collectives: {what}",
+        expected,
+        actual,
+        f"{actual} {noun}, over the budget of {expected}: {listed}{more}.",
+        annotation=f"max {noun} {expected}",
+    )
