@@ -95,7 +95,7 @@ def pytest_configure(config):
 
 def _default_rules(target: str) -> None:
     import jaxshard
-    from jaxshard._verify.cli import _load_object
+    from jaxshard._verify.options import _load_object
 
     try:
         table = _load_object(target, "--jaxshard-rules")

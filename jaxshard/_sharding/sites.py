@@ -30,7 +30,7 @@ class Site:
     shape: tuple[int, ...]
     dtype: Any
     axis_types: dict  # of the mesh at trace time: the compiled program's mesh has none
-    recorder: Any = None  # a `_verify.Recorder`, while `jaxshard.verify` runs
+    recorder: Any = None  # a `_verify.recorder.Recorder`, while `jaxshard.verify` runs
     order: int = 0  # the order in which the checks were traced
     calls: tuple = ()  # the jaxtyped calls around the check, outermost first
     value: int = 0  # which traced value was checked (its id, while traced)

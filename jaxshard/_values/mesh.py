@@ -112,24 +112,8 @@ def _split_statistics(mesh, items: list[Item]) -> Any:
         np.cumsum([0, *(_words(v.dtype) for v in item.values)]) for item in items
     ]
     width = max(int(c[-1]) for c in columns)
-    # Per item: its operand, then the array values read where it fails (none for a
-    # keyed item, whose key tells them); where its operand is among them.
-    operands, starts, reads, like = [], [], [], []
     keyed = [_keyed(item) for item in items]
-    for item, key, c in zip(items, keyed, carried):
-        operand = lax.stop_gradient(item.operand)
-        sharding = jax.typeof(operand).sharding
-        arrays = [] if key else c
-        starts.append(len(operands))
-        reads.append(arrays)
-        like += [len(operands)] * (1 + len(arrays))
-        operands.append(operand)
-        for i in arrays:
-            # Laid out as the operand, so that its blocks and theirs match.
-            v = lax.stop_gradient(item.values[i])
-            if explicit and jax.typeof(v).sharding.spec != sharding.spec:
-                v = jax.sharding.reshard(v, sharding)
-            operands.append(v)
+    operands, starts, reads, like = _operands(items, keyed, carried, explicit)
 
     def words_of(i: int, values: list, which: list) -> list:
         """Item `i`'s values at the indices `which` (its `values`) as its row of
@@ -191,6 +175,34 @@ def _split_statistics(mesh, items: list[Item]) -> Any:
             [j for j in range(len(item.values)) if j not in carried[i]],
         )
     ]
+    return _plus_scalars(found, scalars, shape)
+
+
+def _operands(items: list[Item], keyed: list[bool], carried: list, explicit: bool):
+    """`(operands, starts, reads, like)`: per item, its operand, then the array
+    values read where it fails (none for a keyed item, whose key tells them); where
+    its operand is among the operands; the indices of the values it reads; and for
+    each operand, the operand it is laid out as."""
+    operands, starts, reads, like = [], [], [], []
+    for item, key, c in zip(items, keyed, carried):
+        operand = lax.stop_gradient(item.operand)
+        sharding = jax.typeof(operand).sharding
+        arrays = [] if key else c
+        starts.append(len(operands))
+        reads.append(arrays)
+        like += [len(operands)] * (1 + len(arrays))
+        operands.append(operand)
+        for i in arrays:
+            # Laid out as the operand, so that its blocks and theirs match.
+            v = lax.stop_gradient(item.values[i])
+            if explicit and jax.typeof(v).sharding.spec != sharding.spec:
+                v = jax.sharding.reshard(v, sharding)
+            operands.append(v)
+    return operands, starts, reads, like
+
+
+def _plus_scalars(found: Any, scalars: list, shape: tuple[int, int]) -> Any:
+    """The matrix `found` with the words of scalar values added in their places."""
     if any(isinstance(w, jax.core.Tracer) for w in scalars):
         traced = [jnp.asarray(w, jnp.int32) for w in scalars]
         return found + _stacked(traced).reshape(shape)

@@ -110,7 +110,6 @@ def _bound_inputs(
 ) -> dict[str, Any]:
     """Parameter name -> abstract input, for every parameter that needs a value."""
     sig, hints = signature(fn)
-    dims = dict(dims or {})
     values = dict(values or {})
     unknown = sorted(set(values) - set(sig.parameters))
     if unknown:
@@ -119,35 +118,7 @@ def _bound_inputs(
             f"{'are not parameters' if len(unknown) > 1 else 'is not a parameter'} "
             f"of {_name(fn)}."
         )
-    unbound: dict[str, list[str]] = {}
-    uneven: list[str] = []
-    needs_value: list[str] = []
-    used_dtypes: set = set()
-
-    def leaf(annotation, where, default=None):
-        if annotation is None:
-            if default is None:
-                needs_value.append(where)
-            return default
-        shape, missing = _dims.shape(annotation, dims)
-        for name in missing:
-            unbound.setdefault(name, []).append(where)
-        if shape is None:
-            return None
-        spec = partition_spec(annotation)
-        sharding = None
-        if spec is not None:
-            spec = _input_spec(spec)
-            problems = _uneven(spec, shape, mesh, where)
-            if problems and hasattr(annotation, "explain"):  # say which rule
-                problems[-1] += f" ({annotation.explain()})"
-            uneven.extend(problems)
-            if not problems:
-                sharding = NamedSharding(mesh, spec)
-        key = where.split(".")[0].split("[")[0]
-        dtype = _dtype(annotation, where, key, dtypes, used_dtypes)
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
+    inputs = _Inputs(mesh, dict(dims or {}), dtypes)
     out = {}
     for p in sig.parameters.values():
         if p.name in values:
@@ -157,43 +128,88 @@ def _bound_inputs(
         elif p.default is not p.empty:
             continue  # parameters with defaults keep them
         else:
-            out[p.name] = _tree(hints.get(p.name, Any), leaf, p.name)
-    problems = []
-    if unbound:
-        problems.append(
-            "these dimensions have no size: "
-            + "; ".join(f"{n!r} (in {', '.join(w)})" for n, w in unbound.items())
-            + ". Pass them in `dims`, e.g. dims={"
-            + ", ".join(
-                f"{n!r}: (2, 4)" if n == "..." else f"{n!r}: 8" for n in unbound
-            )
-            + "} (a tuple of sizes for a variadic dimension)"
-        )
-    if uneven:
-        problems.append("; ".join(uneven))
-    if dtypes is not None and not isinstance(dtypes, Mapping) and not used_dtypes:
-        problems.append(
-            f"`dtypes` asks for {np.dtype(dtypes).name}, which no array annotation of "
-            f"{_name(fn)} allows"
-        )
-    if isinstance(dtypes, Mapping) and set(dtypes) - used_dtypes:
-        stray = ", ".join(
-            repr(getattr(k, "__name__", k)) for k in dtypes if k not in used_dtypes
-        )
-        problems.append(
-            f"`dtypes` names {stray}, but no input of {_name(fn)} matches (a key is "
-            "a parameter's name, a tree path such as p.w1, or a dtype class such as "
-            "Float)"
-        )
-    if needs_value:
-        problems.append(
-            f"{_listing('parameter', needs_value)} no array annotation and no "
-            "default, so there is nothing to build it from. Pass it in "
-            "`values={...}`"
-        )
+            out[p.name] = _tree(hints.get(p.name, Any), inputs.leaf, p.name)
+    problems = inputs.problems(_name(fn))
     if problems:
         raise ValueError(f"{what}: " + ". Also, ".join(problems) + ".")
     return out
+
+
+class _Inputs:
+    """Builds the abstract input of each array annotation (`leaf`, for `_tree`),
+    and collects what keeps it from being built (`problems`)."""
+
+    def __init__(self, mesh: Any, dims: dict[str, Any], dtypes: Any):
+        self.mesh, self.dims, self.dtypes = mesh, dims, dtypes
+        self.unbound: dict[str, list[str]] = {}
+        self.uneven: list[str] = []
+        self.needs_value: list[str] = []
+        self.used_dtypes: set = set()
+
+    def leaf(self, annotation: Any, where: str, default: Any = None) -> Any:
+        if annotation is None:
+            if default is None:
+                self.needs_value.append(where)
+            return default
+        shape, missing = _dims.shape(annotation, self.dims)
+        for name in missing:
+            self.unbound.setdefault(name, []).append(where)
+        if shape is None:
+            return None
+        spec = partition_spec(annotation)
+        sharding = None
+        if spec is not None:
+            spec = _input_spec(spec)
+            problems = _uneven(spec, shape, self.mesh, where)
+            if problems and hasattr(annotation, "explain"):  # say which rule
+                problems[-1] += f" ({annotation.explain()})"
+            self.uneven.extend(problems)
+            if not problems:
+                sharding = NamedSharding(self.mesh, spec)
+        key = where.split(".")[0].split("[")[0]
+        dtype = _dtype(annotation, where, key, self.dtypes, self.used_dtypes)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    def problems(self, name: str) -> list[str]:
+        """What kept the inputs of the function `name` from being built."""
+        problems = []
+        if self.unbound:
+            problems.append(
+                "these dimensions have no size: "
+                + "; ".join(
+                    f"{n!r} (in {', '.join(w)})" for n, w in self.unbound.items()
+                )
+                + ". Pass them in `dims`, e.g. dims={"
+                + ", ".join(
+                    f"{n!r}: (2, 4)" if n == "..." else f"{n!r}: 8"
+                    for n in self.unbound
+                )
+                + "} (a tuple of sizes for a variadic dimension)"
+            )
+        if self.uneven:
+            problems.append("; ".join(self.uneven))
+        dtypes, used = self.dtypes, self.used_dtypes
+        if dtypes is not None and not isinstance(dtypes, Mapping) and not used:
+            problems.append(
+                f"`dtypes` asks for {np.dtype(dtypes).name}, which no array "
+                f"annotation of {name} allows"
+            )
+        if isinstance(dtypes, Mapping) and set(dtypes) - used:
+            stray = ", ".join(
+                repr(getattr(k, "__name__", k)) for k in dtypes if k not in used
+            )
+            problems.append(
+                f"`dtypes` names {stray}, but no input of {name} matches (a key is "
+                "a parameter's name, a tree path such as p.w1, or a dtype class "
+                "such as Float)"
+            )
+        if self.needs_value:
+            problems.append(
+                f"{_listing('parameter', self.needs_value)} no array annotation and "
+                "no default, so there is nothing to build it from. Pass it in "
+                "`values={...}`"
+            )
+        return problems
 
 
 def _uneven(spec: PartitionSpec, shape: tuple, mesh: Any, where: str) -> list[str]:

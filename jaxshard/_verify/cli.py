@@ -6,330 +6,24 @@ to trace or compile.
 """
 
 import argparse
-import importlib
-import importlib.util
 import inspect
 import os
-import re
 import sys
 import traceback
 from collections.abc import Sequence
 from typing import Any
 
-
-EXAMPLES = """\
-examples:
-  python -m jaxshard verify model:forward --topology v5e:16x16 \\
-      --mesh dp=16,tp=16 --dim batch=1024 --dim seqlen=2048
-  python -m jaxshard verify examples/transformer.py:model --devices 8 \\
-      --mesh dp=2,fsdp=2,tp=2 --dim batch=8 --dim seqlen=16 --dim d=64 \\
-      --dim heads=4 --dim hd=16 --dim hidden=128 --dim layers=2 --json
-"""
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m jaxshard",
-        description="Check jaxshard's sharding contracts without running a program.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    verify = commands.add_parser(
-        "verify",
-        help="compile a function for a mesh and check its sharding contracts",
-        description=(
-            "Compile FUNCTION for a mesh from its annotations (no arrays are "
-            "allocated) and check every sharding contract met on the way. Prints a "
-            "table of contracts. Exit status: 0 when every contract holds, 1 when one "
-            "is violated, 2 on a usage error, 3 when the function itself fails to "
-            "trace or compile (its own error, not a contract's)."
-        ),
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    verify.add_argument(
-        "function",
-        metavar="MODULE:FUNCTION",
-        help="e.g. pkg.model:forward (a module importable from the current "
-        "directory) or path/to/model.py:forward; FUNCTION may be dotted "
-        "(Model.__call__, with --values self=MODULE:MODEL)",
-    )
-    verify.add_argument(
-        "--topology",
-        help="a TPU topology, e.g. v5e:16x16, v5p:4x4x4, v4:2x2x2 (needs libtpu: "
-        "pip install 'jaxshard[tpu]'); without it, simulated CPU devices are used",
-    )
-    verify.add_argument(
-        "--devices",
-        type=int,
-        metavar="N",
-        help="number of simulated CPU devices when there is no --topology (default: "
-        "the product of the mesh axis sizes)",
-    )
-    verify.add_argument(
-        "--mesh",
-        required=True,
-        metavar="AXIS=SIZE,...",
-        help="mesh axes in order, e.g. dp=16,tp=16",
-    )
-    verify.add_argument(
-        "--axis-types",
-        choices=("auto", "explicit"),
-        default="auto",
-        help="the mesh's axis types (default: auto, as jaxshard.tpu_mesh's)",
-    )
-    verify.add_argument(
-        "--dim",
-        action="append",
-        default=[],
-        metavar="NAME=SIZE",
-        help="size of a named dimension, e.g. batch=1024; repeatable. For a variadic "
-        "dimension give sizes separated by commas (batch=4,8) or nothing (batch=)",
-    )
-    verify.add_argument(
-        "--dtype",
-        action="append",
-        default=[],
-        metavar="[KEY=]DTYPE",
-        help="dtype where an annotation allows several (default float32 for Float): "
-        "bfloat16 for all, or Float=bfloat16 per dtype class, or x=float16 per "
-        "parameter; repeatable",
-    )
-    verify.add_argument(
-        "--values",
-        action="append",
-        default=[],
-        metavar="[PARAM=]MODULE:OBJECT",
-        help="the value of a parameter that has no array annotation, e.g. "
-        "params=model:abstract_params for a flax-style forward(params, x): a pytree "
-        "of arrays or jax.ShapeDtypeStructs, or a function that returns one (called "
-        "with no arguments; jax.eval_shape of an init keeps it abstract). Without "
-        "PARAM=, OBJECT is a dict of parameter values. Repeatable",
-    )
-    verify.add_argument(
-        "--rules",
-        metavar="MODULE:OBJECT",
-        help="the axis rules for logical annotations (jaxshard.L, BY_NAME): a rule "
-        "table as flax and MaxText write them, e.g. model:FSDP_RULES (a list of "
-        "(logical, mesh axes) pairs or a dict), or a function that returns one",
-    )
-    verify.add_argument(
-        "--max-collectives",
-        action="append",
-        default=[],
-        metavar="KIND=N,...",
-        help="a budget of collectives per kind, e.g. all-gather=0 (kinds: all-gather, "
-        "all-reduce, reduce-scatter, all-to-all, collective-permute); more is a "
-        "violation (exit 1). Repeatable",
-    )
-    verify.add_argument(
-        "--max-collective-bytes",
-        type=int,
-        metavar="BYTES",
-        help="a budget of bytes moved per device by all collectives",
-    )
-    verify.add_argument(
-        "--hbm-budget",
-        type=int,
-        metavar="BYTES",
-        help="bytes of memory per device the program may use; more, or more than a "
-        "device of the TPU generation has (always checked), is a violation (exit 1)",
-    )
-    verify.add_argument(
-        "--min-sharded-fraction",
-        type=float,
-        metavar="F",
-        help="the least fraction of the inputs' bytes split over devices, e.g. 0.9; "
-        "less is a violation (exit 1)",
-    )
-    verify.add_argument(
-        "--max-replicated-bytes",
-        type=int,
-        metavar="BYTES",
-        help="the most bytes of fully replicated inputs each device may hold",
-    )
-    verify.add_argument(
-        "--snapshot",
-        metavar="PATH",
-        help="write the report's golden snapshot (sorted JSON: every input's and "
-        "output's layout, every contract's verdict, the collectives, the memory) to "
-        "PATH, to commit and check later runs against with --against",
-    )
-    verify.add_argument(
-        "--against",
-        metavar="PATH",
-        help="compare with the snapshot at PATH: each difference (a layout, a "
-        "verdict, a collective, bytes or memory grown past --tolerance) is a "
-        "violation (exit 1). With --snapshot PATH too, the snapshot is rewritten "
-        "after the comparison",
-    )
-    verify.add_argument(
-        "--tolerance",
-        type=float,
-        default=0.05,
-        metavar="F",
-        help="how much memory per device and bytes moved by collectives may grow "
-        "over the --against snapshot, as a fraction (default: 0.05, 5%%)",
-    )
-    verify.add_argument(
-        "--json", action="store_true", help="print the report as JSON instead"
-    )
-    return parser
-
-
-def _mesh_axes(text: str) -> dict[str, int]:
-    axes: dict[str, int] = {}
-    for part in text.split(","):
-        name, sep, size = part.partition("=")
-        name = name.strip()
-        if not sep or not name.isidentifier() or not size.strip().isdigit():
-            raise ValueError(
-                f"bad --mesh {text!r}: write axis=size pairs separated by commas, "
-                "e.g. dp=16,tp=16"
-            )
-        if name in axes:
-            raise ValueError(f"bad --mesh {text!r}: axis {name!r} appears twice")
-        axes[name] = int(size)
-    if any(v == 0 for v in axes.values()):
-        raise ValueError(f"bad --mesh {text!r}: axis sizes must be positive")
-    return axes
-
-
-def _dims(items: Sequence[str]) -> dict[str, Any]:
-    dims: dict[str, Any] = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        value = value.strip()
-        try:
-            if not sep or not name.strip():
-                raise ValueError
-            if "," in value or not value:
-                dims[name.strip()] = tuple(int(v) for v in value.split(",") if v)
-            else:
-                dims[name.strip()] = int(value)
-        except ValueError:
-            raise ValueError(
-                f"bad --dim {item!r}: write name=size (batch=1024), or name=s1,s2 "
-                "for a variadic dimension"
-            ) from None
-    return dims
-
-
-def _budget(items: Sequence[str]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for item in ",".join(items).split(",") if items else ():
-        kind, sep, count = item.partition("=")
-        if not sep or not count.strip().isdigit():
-            raise ValueError(
-                f"bad --max-collectives {item!r}: write kind=count, e.g. all-gather=0"
-            )
-        out[kind.strip()] = int(count)
-    return out
-
-
-def _dtypes(items: Sequence[str]) -> Any:
-    import numpy as np
-
-    if not items:
-        return None
-    out: dict[str, Any] = {}
-    blanket = None
-    for item in items:
-        key, sep, value = item.rpartition("=")
-        try:
-            dtype = np.dtype(_dtype_name(value))
-        except TypeError:
-            raise ValueError(f"bad --dtype {item!r}: unknown dtype {value!r}") from None
-        if sep:
-            out[key] = dtype
-        else:
-            blanket = dtype
-    if blanket is not None and out:
-        raise ValueError(
-            "--dtype: give either one dtype for all, or KEY=DTYPE entries, not both"
-        )
-    return blanket if blanket is not None else out
-
-
-def _dtype_name(name: str) -> Any:
-    import jax.numpy as jnp
-
-    return getattr(jnp, name, name)  # bfloat16 and the float8 types live in jax
-
-
-def _load(target: str) -> Any:
-    obj = _load_object(target, "function")
-    if not callable(obj):
-        raise ValueError(f"{target!r} is not callable")
-    return obj
-
-
-def _values(items: Sequence[str]) -> dict[str, Any]:
-    """`--values`: parameter name -> value, arrays made abstract (no device of the
-    mesh holds them: only their shapes and dtypes matter)."""
-    import jax
-
-    values: dict[str, Any] = {}
-    for item in items:
-        name, sep, target = item.partition("=")
-        if not sep:
-            name, target = "", item
-        elif not name.isidentifier():
-            raise ValueError(
-                f"bad --values {item!r}: write PARAM=MODULE:OBJECT or MODULE:OBJECT"
-            )
-        obj = _load_object(target, "--values")
-        if inspect.isfunction(obj):
-            obj = obj()
-        if name:
-            values[name] = obj
-        elif isinstance(obj, dict):
-            values.update(obj)
-        else:
-            raise ValueError(
-                f"--values {item!r}: {target} is a {type(obj).__name__}; without "
-                "PARAM= it must be a dict of parameter values (or write "
-                f"PARAM={target})"
-            )
-
-    def abstract(x):
-        if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or hasattr(x, "__array__"):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype)
-        return x
-
-    return {k: jax.tree.map(abstract, v) for k, v in values.items()}
-
-
-def _load_object(target: str, what: str) -> Any:
-    module_name, sep, attr = target.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(
-            f"bad {what} {target!r}: write MODULE:NAME, e.g. pkg.model:forward or "
-            "path/to/model.py:forward"
-        )
-    if module_name.endswith(".py") or os.sep in module_name:
-        if not os.path.isfile(module_name):
-            raise ValueError(f"cannot import {module_name!r}: no such file")
-        name = os.path.splitext(os.path.basename(module_name))[0]
-        spec = importlib.util.spec_from_file_location(name, module_name)
-        module = importlib.util.module_from_spec(spec)  # pyright: ignore
-        sys.modules[name] = module
-        spec.loader.exec_module(module)  # pyright: ignore
-    else:
-        if "" not in sys.path and os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            raise ValueError(f"cannot import module {module_name!r}: {e}") from None
-    obj = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(
-                f"module {module_name!r} has no attribute {attr!r}"
-            ) from None
-    return obj
+from .options import (
+    _budget,
+    _dims,
+    _dtypes,
+    _for_the_command_line,
+    _load,
+    _load_object,
+    _mesh_axes,
+    _parser,
+    _values,
+)
 
 
 MODEL_FAILED = 3  # the exit status when the function fails to trace or compile
@@ -338,6 +32,28 @@ MODEL_FAILED = 3  # the exit status when the function fails to trace or compile
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    _start_jax()
+    from jaxtyping import AnnotationError
+
+    try:
+        inputs = _inputs(args)
+    except (ValueError, ImportError, AnnotationError) as e:
+        parser.error(_for_the_command_line(str(e).splitlines()[0]))
+    report = _verified(args, inputs)
+    if isinstance(report, int):  # the exit status of a failure
+        return report
+    print(report.to_json() if args.json else report)
+    if args.snapshot is not None:
+        try:
+            report.save(args.snapshot)
+        except OSError as e:
+            print(f"cannot write the snapshot {args.snapshot}: {e}", file=sys.stderr)
+            return 2
+        print(f"Snapshot written to {args.snapshot}.", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def _start_jax() -> None:
     from jaxshard._verify.tpu import quiet_libtpu
 
     quiet_libtpu()  # before JAX loads libtpu
@@ -347,78 +63,91 @@ def main(argv: Sequence[str] | None = None) -> int:
     # (TPU topologies come from libtpu either way) unless the user says otherwise.
     if "JAX_PLATFORMS" not in os.environ:
         jax.config.update("jax_platforms", "cpu")
-    from jaxtyping import AnnotationError
+
+
+def _inputs(args: argparse.Namespace) -> dict[str, Any]:
+    """`jaxshard.verify`'s arguments from the command line's; a `ValueError` (or
+    the API's own error) for a usage error, before anything is compiled."""
+    import jax
+
+    axes = _mesh_axes(args.mesh)
+    dims = _dims(args.dim)
+    dtypes = _dtypes(args.dtype)
+    if args.topology is None:
+        import math
+
+        devices = args.devices or math.prod(axes.values())
+        jax.config.update("jax_num_cpu_devices", devices)
+    elif args.devices is not None:
+        raise ValueError("--devices is for CPU meshes; it conflicts with --topology")
+    fn = _load(args.function)
+    values = _values(args.values)
+    budget = _budget(args.max_collectives)
+    _check_options(args, budget)
+    mesh = _make_mesh(axes, args.topology, args.axis_types)
+    import jaxshard
+    from jaxshard._verify.abstract import stray_dims
+
+    if stray := stray_dims(fn, dims):
+        raise ValueError(stray)
+    rules = _rules(args.rules)
+    jaxshard.abstract_args(fn, mesh, dims, dtypes, values=values, rules=rules)
+    return dict(
+        fn=fn,
+        mesh=mesh,
+        dims=dims,
+        dtypes=dtypes,
+        values=values,
+        max_collectives=budget,
+        max_collective_bytes=args.max_collective_bytes,
+        hbm_budget=args.hbm_budget,
+        min_sharded_fraction=args.min_sharded_fraction,
+        max_replicated_bytes=args.max_replicated_bytes,
+        against=args.against,
+        tolerance=args.tolerance,
+        rules=rules,
+    )
+
+
+def _check_options(args: argparse.Namespace, budget: dict[str, int]) -> None:
+    from jaxshard._verify.budgets import _check_budget
+    from jaxshard._verify.report import _check_tolerance
+    from jaxshard._verify.snapshot import load as load_snapshot
 
     try:
-        axes = _mesh_axes(args.mesh)
-        dims = _dims(args.dim)
-        dtypes = _dtypes(args.dtype)
-        if args.topology is None:
-            import math
+        _check_budget(
+            budget,
+            args.max_collective_bytes,
+            args.hbm_budget,
+            args.min_sharded_fraction,
+            args.max_replicated_bytes,
+        )
+        _check_tolerance(args.tolerance)
+        if args.against is not None:
+            load_snapshot(args.against, "--against")
+    except (TypeError, FileNotFoundError) as e:  # the options' fault
+        raise ValueError(str(e)) from None
 
-            devices = args.devices or math.prod(axes.values())
-            jax.config.update("jax_num_cpu_devices", devices)
-        elif args.devices is not None:
-            raise ValueError(
-                "--devices is for CPU meshes; it conflicts with --topology"
-            )
-        fn = _load(args.function)
-        values = _values(args.values)
-        budget = _budget(args.max_collectives)
-        from jaxshard._verify.budgets import _check_budget
-        from jaxshard._verify.report import _check_tolerance
-        from jaxshard._verify.snapshot import load as load_snapshot
 
-        try:
-            _check_budget(
-                budget,
-                args.max_collective_bytes,
-                args.hbm_budget,
-                args.min_sharded_fraction,
-                args.max_replicated_bytes,
-            )
-            _check_tolerance(args.tolerance)
-            if args.against is not None:
-                load_snapshot(args.against, "--against")
-        except (TypeError, FileNotFoundError) as e:  # the options' fault
-            raise ValueError(str(e)) from None
-        mesh = _make_mesh(axes, args.topology, args.axis_types)
-        import jaxshard
-        from jaxshard._verify.abstract import stray_dims
+def _rules(target: str | None) -> Any:
+    if target is None:
+        return None
+    rules = _load_object(target, "--rules")
+    from jaxshard._config import normalise
 
-        if stray := stray_dims(fn, dims):
-            raise ValueError(stray)
-        rules = None
-        if args.rules is not None:
-            rules = _load_object(args.rules, "--rules")
-            from jaxshard._config import normalise
+    try:
+        return normalise(rules() if inspect.isfunction(rules) else rules)
+    except TypeError as e:
+        raise ValueError(f"--rules {target}: {e}") from None
 
-            try:
-                rules = normalise(rules() if inspect.isfunction(rules) else rules)
-            except TypeError as e:
-                raise ValueError(f"--rules {args.rules}: {e}") from None
-        jaxshard.abstract_args(fn, mesh, dims, dtypes, values=values, rules=rules)
-    except (ValueError, ImportError, AnnotationError) as e:
-        parser.error(_for_the_command_line(str(e).splitlines()[0]))
+
+def _verified(args: argparse.Namespace, inputs: dict[str, Any]) -> Any:
+    """The report; or, when the function is not right, the exit status after
+    saying why."""
     import jaxshard
 
     try:
-        report = jaxshard.verify(
-            fn,
-            mesh=mesh,
-            dims=dims,
-            dtypes=dtypes,
-            values=values,
-            raise_on_error=False,
-            max_collectives=budget,
-            max_collective_bytes=args.max_collective_bytes,
-            hbm_budget=args.hbm_budget,
-            min_sharded_fraction=args.min_sharded_fraction,
-            max_replicated_bytes=args.max_replicated_bytes,
-            against=args.against,
-            tolerance=args.tolerance,
-            rules=rules,
-        )
+        return jaxshard.verify(**inputs, raise_on_error=False)
     except jaxshard.TypeCheckError as e:  # a contract that is not a sharding's
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -434,41 +163,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return MODEL_FAILED
-    print(report.to_json() if args.json else report)
-    if args.snapshot is not None:
-        try:
-            report.save(args.snapshot)
-        except OSError as e:
-            print(f"cannot write the snapshot {args.snapshot}: {e}", file=sys.stderr)
-            return 2
-        print(f"Snapshot written to {args.snapshot}.", file=sys.stderr)
-    return 0 if report.ok else 1
-
-
-def _for_the_command_line(message: str) -> str:
-    """An error of the Python API, worded for the command line's options."""
-    for api, option in _OPTIONS:
-        message = re.sub(api, option, message)
-    return message
-
-
-_OPTIONS = [
-    (
-        r"Pass them in `dims`, e\.g\. dims=\{.*?\} \(a tuple of sizes for a "
-        r"variadic dimension\)",
-        "Give them with --dim NAME=SIZE (NAME=S1,S2 for a variadic dimension)",
-    ),
-    (r"Pass it in `values=\{\.\.\.\}`", "Give it with --values PARAM=MODULE:OBJECT"),
-    (r"`dtypes` asks for", "--dtype asks for"),
-    (
-        r"Set some: `with jaxshard\.axis_rules\(.*$",
-        "Give them with --rules MODULE:OBJECT.",
-    ),
-    (r"`dtypes` names", "--dtype names"),
-    (r"`values` names", "--values names"),
-    (r"jaxshard.verify: max_collectives names", "--max-collectives names"),
-    (r"jaxshard.verify: `(\w+)` takes", lambda m: f"--{m[1].replace('_', '-')} takes"),
-]
 
 
 def _make_mesh(axes: dict[str, int], topology: str | None, axis_types: str | None):

@@ -5,19 +5,17 @@ import dataclasses
 import inspect
 import os
 import re
-import threading
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from .. import _config
 from .._annotations import tensors
 from .._annotations.logical import using
-from .._annotations.spec import fill_unconstrained, sharded_type
 from .._errors import (
     AnnotationError,
     expect,
@@ -33,11 +31,9 @@ from .._sharding.decorator import checked_by_jaxshard
 from .._sharding.describe import (
     describe_devices,
     describe_mesh,
-    describe_sharding,
     naming,
 )
 from .._sharding.signature import _name, _POSITIONAL, _tree, signature
-from .._sharding.sites import call_numbers, describe_call, Site
 from .._sharding.tree import check_partitioning, Partitioned
 from .abstract import _bound_inputs
 from .budgets import (
@@ -48,74 +44,16 @@ from .budgets import (
     sharding_budget_rows,
 )
 from .collectives import _is_user_code, collectives, user_frames_by_op
+from .recorder import Recorder
 from .report import (
     _check_tolerance,
     _flops,
     _memory,
     _violation,
     Report,
-    Row,
     tally,
 )
 from .snapshot import load as load_snapshot
-
-
-# --- recording ----------------------------------------------------------------------
-
-
-class Recorder:
-    """Collects every sharding check made while `verify` traces and compiles. Checks
-    made at compile time report from XLA's threads, hence the lock."""
-
-    def __init__(self, function: Any = None):
-        self._lock = threading.Lock()
-        self._checks: list[tuple[Site, Any, str]] = []
-        self.function = function  # the verified function, left out of call chains
-
-    def add(self, site: Site, actual: Any, reason: str) -> None:
-        with self._lock:
-            self._checks.append((site, actual, reason))
-
-    def rows(self) -> tuple[Row, ...]:
-        """One row per distinct contract and outcome, in program order; a violation
-        also per call it happened in."""
-        numbers = call_numbers([site for site, _, _ in self._checks])
-        found: dict[tuple, Row] = {}
-        for site, actual, reason in sorted(self._checks, key=lambda c: c[0].order):
-            row = Row(
-                function=_qualname(site.function),
-                name=site.name,
-                expected=site.spec,
-                actual=actual,
-                ok=not reason,
-                reason=reason,
-                annotation=site.annotation,
-                array=site.array,
-                call=(
-                    describe_call(site, numbers, short=True, within=self.function)
-                    if reason
-                    else ""
-                ),
-                types=_types(site, actual),
-            )
-            key = (row.function, row.name, row.annotation, row.array, row.reason)
-            found.setdefault((*key, row.call), row)
-        return tuple(found.values())
-
-
-def _types(site: Site, actual: Any) -> tuple[str, str]:
-    """The expected and the actual layout in JAX's notation, `float32[8@dp,4]`."""
-    if isinstance(actual, NamedSharding):
-        expected = fill_unconstrained(site.spec, actual.spec, actual.mesh.shape)
-        found = sharded_type(site.dtype, site.shape, actual.spec)
-    else:
-        expected = fill_unconstrained(site.spec, ())
-        found = describe_sharding(actual, len(site.shape))
-    return sharded_type(site.dtype, site.shape, expected), found
-
-
-def _qualname(function: Any) -> str | None:
-    return getattr(function, "qualname", function)
 
 
 def _is_input(value: Any) -> bool:
