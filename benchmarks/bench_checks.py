@@ -76,6 +76,9 @@ an "Involuntary full rematerialization": the callback's branch lives on device 0
 
 Run: `python benchmarks/bench_checks.py` (or `nox -s bench`); `--quick` for a smoke
 test; `--only=bf` for some parts only.
+
+docs/performance.md gives the figures this script prints
+(its section "Value checks: `bench_checks.py`").
 """
 
 import contextlib

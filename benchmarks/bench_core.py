@@ -18,6 +18,9 @@ hits each alike. The table shows the median time of each, and the median over ro
 of the ratio within a round.
 
 Run: `python benchmarks/bench_core.py` (or `nox -s bench`); `--quick` for a smoke test.
+
+docs/performance.md gives the figures this script prints
+(its section "Sharding contracts: `bench_core.py`").
 """
 
 import re

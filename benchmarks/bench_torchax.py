@@ -16,6 +16,9 @@ each alike; the ratio is the median over rounds of the ratio within a round.
 
 Run: `python benchmarks/bench_torchax.py` (or `nox -s bench`, Python 3.11); it needs
 torch and torchax (`pip install -e ".[torchax]"`); `--quick` for a smoke test.
+
+docs/performance.md gives the figures this script prints
+(its section "Sharding contracts on torchax tensors: `bench_torchax.py`").
 """
 
 import os

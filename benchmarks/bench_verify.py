@@ -10,6 +10,10 @@ on this CPU-only machine. Two ways of stacking the layers:
 - a Python loop, unrolled: each of the 24 layers is traced, checked and compiled
     on its own, so the checks' cost is paid 24 times.
 
+A third row is a flax linen decoder the size of flax's lm1b example (8 layers, embed
+2048, logical axis names under lm1b's rules, `tests/decoders.py`'s `LinenDecoder`),
+its forward pass verified for the same pod on a mesh of its own axes.
+
 Each is measured two ways, alternating within every round (A B, B A, A B, ...) so that
 drift on a busy machine hits each alike:
 
@@ -32,6 +36,9 @@ wall-clock time, and of CPU time, which other work on a shared machine disturbs 
 
 Run: `python benchmarks/bench_verify.py` (needs libtpu: `pip install 'jaxshard[tpu]'`);
 `--quick` for a smoke test.
+
+docs/performance.md gives the figures this script prints
+(its section "What verify costs").
 """
 
 import gc
