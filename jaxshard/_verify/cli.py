@@ -13,6 +13,10 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from .._config import normalise
+from .._errors import ModelError, TypeCheckError
+from .abstract import abstract_args, stray_dims
+from .budgets import _check_budget
 from .options import (
     _budget,
     _dims,
@@ -24,6 +28,10 @@ from .options import (
     _parser,
     _values,
 )
+from .report import _check_tolerance
+from .snapshot import load as load_snapshot
+from .tpu import _axis_types, quiet_libtpu, tpu_mesh
+from .verify import verify
 
 
 MODEL_FAILED = 3  # the exit status when the function fails to trace or compile
@@ -54,7 +62,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _start_jax() -> None:
-    from jaxshard._verify.tpu import quiet_libtpu
 
     quiet_libtpu()  # before JAX loads libtpu
     import jax
@@ -85,13 +92,11 @@ def _inputs(args: argparse.Namespace) -> dict[str, Any]:
     budget = _budget(args.max_collectives)
     _check_options(args, budget)
     mesh = _make_mesh(axes, args.topology, args.axis_types)
-    import jaxshard
-    from jaxshard._verify.abstract import stray_dims
 
     if stray := stray_dims(fn, dims):
         raise ValueError(stray)
     rules = _rules(args.rules)
-    jaxshard.abstract_args(fn, mesh, dims, dtypes, values=values, rules=rules)
+    abstract_args(fn, mesh, dims, dtypes, values=values, rules=rules)
     return dict(
         fn=fn,
         mesh=mesh,
@@ -110,9 +115,6 @@ def _inputs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check_options(args: argparse.Namespace, budget: dict[str, int]) -> None:
-    from jaxshard._verify.budgets import _check_budget
-    from jaxshard._verify.report import _check_tolerance
-    from jaxshard._verify.snapshot import load as load_snapshot
 
     try:
         _check_budget(
@@ -133,7 +135,6 @@ def _rules(target: str | None) -> Any:
     if target is None:
         return None
     rules = _load_object(target, "--rules")
-    from jaxshard._config import normalise
 
     try:
         return normalise(rules() if inspect.isfunction(rules) else rules)
@@ -144,14 +145,13 @@ def _rules(target: str | None) -> Any:
 def _verified(args: argparse.Namespace, inputs: dict[str, Any]) -> Any:
     """The report; or, when the function is not right, the exit status after
     saying why."""
-    import jaxshard
 
     try:
-        return jaxshard.verify(**inputs, raise_on_error=False)
-    except jaxshard.TypeCheckError as e:  # a contract that is not a sharding's
+        return verify(**inputs, raise_on_error=False)
+    except TypeCheckError as e:  # a contract that is not a sharding's
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    except jaxshard.ModelError as e:
+    except ModelError as e:
         print(f"{args.function}: {e}", file=sys.stderr)
         return MODEL_FAILED
     except Exception as e:  # the function's own error, raised while tracing it
@@ -168,11 +168,8 @@ def _verified(args: argparse.Namespace, inputs: dict[str, Any]) -> Any:
 def _make_mesh(axes: dict[str, int], topology: str | None, axis_types: str | None):
     import jax
 
-    import jaxshard
-    from jaxshard._verify.tpu import _axis_types
-
     if topology is not None:
-        return jaxshard.tpu_mesh(topology, axes, axis_types=axis_types)
+        return tpu_mesh(topology, axes, axis_types=axis_types)
     shape = tuple(axes.values())
     n = 1
     for s in shape:
