@@ -53,6 +53,7 @@ Internals still used, and why (none has a public equivalent in these releases):
 """
 
 import functools as ft
+import os
 import re
 import sys
 import threading
@@ -286,13 +287,44 @@ def compiling_call() -> tuple[Any, tuple, dict] | None:
     """`(function, args, kwargs)` of the `jax.jit` call whose program this thread
     compiles (the first call of a jitted function, which compiles it), or `None`
     (`.lower(...).compile()`, say). Read from the locals of JAX's
-    `jax._src.pjit._run_python_pjit` frame, the same on jax 0.10.2 to 0.12.0.1."""
+    `jax._src.pjit._run_python_pjit` frame, the same on jax 0.10.2 to 0.12.0.1.
+
+    Where `eqx.filter_jit` or `nnx.jit` made that call, the user's own call of
+    them instead (their arguments as the user passed them, not the wrapper's
+    flattened ones): the locals of their wrapper's `__call__(self, *args,
+    **kwargs)` frame, outside JAX's, whose `self.__wrapped__` is the user's
+    function (equinox 0.13, flax 0.12)."""
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if (code.co_name, code.co_filename) == _PJIT_CALL:
             local = frame.f_locals
-            return local.get("fun"), local.get("args", ()), local.get("kwargs", {})
+            call = local.get("fun"), local.get("args", ()), local.get("kwargs", {})
+            return _wrapper_call(frame.f_back) or call
+        frame = frame.f_back
+    return None
+
+
+# The modules whose jit wrappers flatten the user's arguments before `jax.jit`.
+_JIT_WRAPPERS = (
+    os.path.join("equinox", "_jit.py"),
+    os.path.join("flax", "nnx", "transforms", "compilation.py"),
+)
+
+
+def _wrapper_call(frame: Any, depth: int = 8) -> tuple[Any, tuple, dict] | None:
+    """The user's call of `eqx.filter_jit` or `nnx.jit` among the `depth` frames
+    outside `frame`, if one is there."""
+    for _ in range(depth):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_name == "__call__" and code.co_filename.endswith(_JIT_WRAPPERS):
+            local = frame.f_locals
+            function = getattr(local.get("self"), "__wrapped__", None)
+            args, kwargs = local.get("args"), local.get("kwargs")
+            if callable(function) and isinstance(args, tuple):
+                return function, args, dict(kwargs or {})
         frame = frame.f_back
     return None
 

@@ -229,6 +229,34 @@ def test_compile_event_is_reported_on_the_compiling_thread(event, auto_mesh):
     assert seen == [threading.get_ident()]
 
 
+def test_compiling_call_is_the_users_call_of_a_jit_wrapper():
+    # During a backend compile, the jit call being compiled; through eqx.filter_jit
+    # and nnx.jit, the user's own call of them (equinox 0.13, flax 0.12).
+    import equinox as eqx
+    from flax import nnx
+
+    seen = []
+
+    def listener(name, duration, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            seen.append(internals.compiling_call())
+
+    def forward(params, x):
+        return x * params["w"].sum()
+
+    params, x = {"w": jnp.ones(2)}, jnp.ones(3)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for jit in (jax.jit, eqx.filter_jit, nnx.jit):
+            jit(forward)(params, x)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    calls = [c for c in seen if c is not None and c[0] is forward]
+    assert len(calls) == 3
+    for function, args, kwargs in calls:
+        assert args[0] is params and args[1] is x and kwargs == {}
+
+
 def test_ref_contents():
     from jaxshard._jax_internals import ref_contents, set_ref_contents
 

@@ -95,6 +95,45 @@ def test_a_wrong_layer_is_named_by_its_weight(name):
     assert len(lines) < 20 and max(map(len, lines[:3])) < 200
 
 
+@pytest.mark.parametrize("wrapper", ["nnx.jit", "eqx.filter_jit"])
+def test_the_likely_cause_is_named_by_the_users_path_under_a_jit_wrapper(wrapper):
+    """nnx.jit and eqx.filter_jit pass jax.jit their own flattening of the
+    arguments: the weight is still named as the user passed it."""
+    import equinox as eqx
+    from decoders import _eqx_model, NnxDecoder, tokens
+    from flax import nnx
+
+    mesh = pod()
+    if wrapper == "nnx.jit":
+
+        @nnx.jit
+        def create():
+            model = NnxDecoder(nnx.Rngs(0), wrong_layer=1)
+            state = nnx.state(model)
+            specs = nnx.get_partition_spec(state)
+            nnx.update(model, jax.lax.with_sharding_constraint(state, specs))
+            return model
+
+        with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+            model = create()
+        jit = nnx.jit
+    else:
+        model, jit = _eqx_model(jax.random.key(0), mesh, wrong_layer=1), eqx.filter_jit
+
+    @jit
+    def forward(model, batch):
+        return model(batch)
+
+    with jax.set_mesh(mesh), jaxshard.axis_rules(RULES):
+        with pytest.raises(jaxshard.ShardingError) as caught:
+            forward(model, tokens(mesh))
+    lines = str(caught.value).splitlines()
+    assert lines[2] == (
+        "- model.blocks[1].mlp.up is P('tensor', 'fsdp'), where 3 of its siblings "
+        "are P('fsdp', 'tensor')."
+    )
+
+
 def test_the_first_wrong_value_points_at_where_it_was_made():
     """Without a weight to blame (the embedding's output left unconstrained), the
     first value laid out wrong says which function made it."""
