@@ -799,10 +799,10 @@ def test_large_arrays_are_reported_where_they_lie(kind, rounds, spec, monkeypatc
     element and its values are exact, and nothing is gathered. The devices'
     findings cross in one all-reduce of a row per device; where those rows would
     be too many words (a pod with many checks), in two rounds of one row each."""
-    from jaxshard._values import mesh as _check_mesh
+    from jaxshard._values import across
 
     if rounds == 2:
-        monkeypatch.setattr(_check_mesh, "_GATHERED", 0)
+        monkeypatch.setattr(across, "_GATHERED", 0)
     axis = {"explicit": AxisType.Explicit}.get(kind, AxisType.Auto)
     mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(axis, axis))
     shape = (640, 512)
@@ -844,10 +844,10 @@ def test_a_repeated_block_too_small_to_slice_counts_once(kind, rounds, monkeypat
     each of them, and each failure is still counted once, its value read from one
     device (the findings crossing the devices in one round or two: see
     `test_large_arrays_are_reported_where_they_lie`)."""
-    from jaxshard._values import mesh as _check_mesh
+    from jaxshard._values import across
 
     if rounds == 2:
-        monkeypatch.setattr(_check_mesh, "_GATHERED", 0)
+        monkeypatch.setattr(across, "_GATHERED", 0)
     axis = {"explicit": AxisType.Explicit}.get(kind, AxisType.Auto)
     mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(axis, axis))
     x = np.zeros((643, 7), np.float32)  # 4,501 elements: not a multiple of 8
