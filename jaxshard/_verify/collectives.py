@@ -3,6 +3,7 @@ bytes, over which mesh axes, and the line of user code each came from (the op
 metadata's stack frame)."""
 
 import dataclasses
+import functools as ft
 import math
 import os
 import re
@@ -190,49 +191,76 @@ _FILE = re.compile(r'^"((?:[^"\\]|\\.)*)":(\d+)')
 Frame = tuple[str, int, str]  # (filename, line, function)
 
 
-def user_frames_by_op(
-    module_text: str,
-) -> dict[str, list[tuple[tuple[str, int] | None, tuple[Frame, ...]]]]:
+def user_frames_by_op(module_text: str) -> "_FramesByOp":
     """Op name -> for each op of that name (a name is not unique: `jit(f)/dot_general`
     names every contraction outside a named scope), the `(file, line)` of its
     innermost frame, whoever's, and the frames of the user's code it was made in,
     innermost first; from a lowered module's text with debug info
-    (`lowered.as_text(debug_info=True)`)."""
+    (`lowered.as_text(debug_info=True)`). Read when asked: the report asks for the
+    collectives' ops only."""
     locs: dict[str, str] = {}
+    ops: dict[str, list[str]] = {}  # op name -> the locations of its ops
     for line in module_text.splitlines():
         m = _LOC.match(line)
         if m:
             locs[m[1]] = m[2]
-
-    def frames(key: str, depth: int = 0) -> list[Frame]:
-        body = locs.get(key, "unknown")
-        if depth > 500 or body == "unknown":
-            return []
-        m = _CALLSITE.match(body)
-        if m:
-            return frames(m[1], depth + 1) + frames(m[2], depth + 1)
-        m = _NAMED.match(body)
-        if m:
-            inner = _FILE.match(locs.get(m[2], ""))
-            if inner:  # a function's frame
-                return [(_unescape(inner[1]), int(inner[2]), _unescape(m[1]))]
-            return frames(m[2], depth + 1)
-        m = _FILE.match(body)
-        return [(_unescape(m[1]), int(m[2]), "?")] if m else []
-
-    out: dict[str, list] = {}
     for key, body in locs.items():
         m = _NAMED.match(body)
-        if not m or _FILE.match(locs.get(m[2], "")):
-            continue  # not an op's name
-        found = frames(m[2])
-        innermost = (found[0][0], found[0][1]) if found else None
-        chain = tuple(f for f in found if _is_user_code(f[0]))
-        entry = (innermost, chain)
-        candidates = out.setdefault(_unescape(m[1]), [])
-        if entry not in candidates:
-            candidates.append(entry)
-    return out
+        if m and not _FILE.match(locs.get(m[2], "")):  # an op's name, not a frame's
+            ops.setdefault(_unescape(m[1]), []).append(m[2])
+    return _FramesByOp(locs, ops)
+
+
+class _FramesByOp:
+    """`user_frames_by_op`'s mapping, each op name's entries made on first use."""
+
+    def __init__(self, locs: dict[str, str], ops: dict[str, list[str]]):
+        self._locs, self._ops = locs, ops
+        self._made: dict[str, list] = {}
+        self._memo: dict[str, tuple[Frame, ...]] = {}
+
+    def get(self, name: str, default: Any = ()) -> Any:
+        if name not in self._ops:
+            return default
+        if name not in self._made:
+            entries: list = []
+            for key in self._ops[name]:
+                found = self._frames(key)
+                innermost = (found[0][0], found[0][1]) if found else None
+                chain = tuple(f for f in found if _is_user_code(f[0]))
+                if (innermost, chain) not in entries:
+                    entries.append((innermost, chain))
+            self._made[name] = entries
+        return self._made[name]
+
+    def __getitem__(self, name: str) -> list:
+        if name not in self._ops:
+            raise KeyError(name)
+        return self.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._ops
+
+    def _frames(self, key: str, depth: int = 0) -> tuple[Frame, ...]:
+        """The frames of the location `key`, innermost first."""
+        if key in self._memo:
+            return self._memo[key]
+        body = self._locs.get(key, "unknown")
+        if depth > 500 or body == "unknown":
+            return ()
+        found: tuple[Frame, ...] = ()
+        if m := _CALLSITE.match(body):
+            found = self._frames(m[1], depth + 1) + self._frames(m[2], depth + 1)
+        elif m := _NAMED.match(body):
+            inner = _FILE.match(self._locs.get(m[2], ""))
+            if inner:  # a function's frame
+                found = ((_unescape(inner[1]), int(inner[2]), _unescape(m[1])),)
+            else:
+                found = self._frames(m[2], depth + 1)
+        elif m := _FILE.match(body):
+            found = ((_unescape(m[1]), int(m[2]), "?"),)
+        self._memo[key] = found
+        return found
 
 
 def _unescape(text: str) -> str:
@@ -285,7 +313,14 @@ def _axes(groups: list[list[int]] | None, mesh: Any) -> tuple[str, ...] | None:
     the mesh's devices in order)."""
     if not groups or mesh is None:
         return None
-    shape = mesh.devices.shape
+    key = tuple(map(tuple, groups))
+    return _spanned(key, mesh.devices.shape, tuple(mesh.axis_names))
+
+
+@ft.lru_cache(maxsize=256)
+def _spanned(
+    groups: tuple[tuple[int, ...], ...], shape: tuple[int, ...], names: tuple[str, ...]
+) -> tuple[str, ...] | None:
     if max(max(g) for g in groups if g) >= math.prod(shape):
         return None
     spanned = set()
@@ -294,7 +329,7 @@ def _axes(groups: list[list[int]] | None, mesh: Any) -> tuple[str, ...] | None:
         for axis in range(len(shape)):
             if len(set(coords[:, axis])) > 1:
                 spanned.add(axis)
-    return tuple(mesh.axis_names[a] for a in sorted(spanned))
+    return tuple(names[a] for a in sorted(spanned))
 
 
 def collectives(
