@@ -118,7 +118,7 @@ def _bound_inputs(
             f"{'are not parameters' if len(unknown) > 1 else 'is not a parameter'} "
             f"of {_name(fn)}."
         )
-    inputs = _Inputs(mesh, dict(dims or {}), dtypes)
+    inputs = _AbstractInputs(mesh, dict(dims or {}), dtypes)
     out = {}
     for p in sig.parameters.values():
         if p.name in values:
@@ -135,7 +135,7 @@ def _bound_inputs(
     return out
 
 
-class _Inputs:
+class _AbstractInputs:
     """Builds the abstract input of each array annotation (`leaf`, for `_tree`),
     and collects what keeps it from being built (`problems`)."""
 

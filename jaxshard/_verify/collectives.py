@@ -233,14 +233,6 @@ class _FramesByOp:
             self._made[name] = entries
         return self._made[name]
 
-    def __getitem__(self, name: str) -> list:
-        if name not in self._ops:
-            raise KeyError(name)
-        return self.get(name)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._ops
-
     def _frames(self, key: str, depth: int = 0) -> tuple[Frame, ...]:
         """The frames of the location `key`, innermost first."""
         if key in self._memo:
@@ -333,7 +325,7 @@ def _spanned(
 
 
 def collectives(
-    hlo_text: str, mesh: Any = None, chains: dict | None = None, root: str = ""
+    hlo_text: str, mesh: Any = None, chains: Any = None, root: str = ""
 ) -> tuple[Collective, ...]:
     """Every collective in a compiled program's HLO text, in program order.
 
@@ -391,7 +383,7 @@ def collectives(
 
 
 def _chain(
-    chains: dict, name: str, innermost: tuple[str, int] | None
+    chains: Any, name: str, innermost: tuple[str, int] | None
 ) -> tuple[Frame, ...]:
     """The user's frames of the op `name` whose innermost frame is `innermost` (or
     of the only op of that name); for an op inside a nested function

@@ -292,7 +292,7 @@ def _report(
     mesh: Mesh,
     compiled: Any,
     refused: str,
-    chains: dict,
+    chains: Any,
     recorder: "Recorder",
     notes: tuple,
     budgets: tuple,
