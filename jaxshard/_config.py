@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import jax
 import jaxtyping
 
+from ._errors import did_you_mean
+
 
 # --- axis rules: the value of the `rules` setting ---------------------------------
 
@@ -119,12 +121,14 @@ def _validate(name: str, value: object, source: str) -> str:
             f"Unknown jaxshard setting {name!r}. Valid settings are "
             + ", ".join(repr(s) for s in _SETTINGS)
             + "."
+            + did_you_mean(str(name), _SETTINGS)
         ) from None
     if value not in valid:
         raise ValueError(
             f"Unrecognised value {value!r} for {source}. Valid values are "
             + ", ".join(repr(v) for v in valid)
             + f" (default {valid[0]!r})."
+            + did_you_mean(str(value), [str(v) for v in valid])
         )
     return value  # pyright: ignore[reportReturnType]
 

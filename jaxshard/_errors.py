@@ -1,5 +1,7 @@
 """jaxshard's exceptions: every contract failure is a `jaxtyping.TypeCheckError`."""
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
 from jaxtyping import (
@@ -52,3 +54,30 @@ def expect(ok: bool, function: str, parameter: str, accepts: str, value: Any) ->
 
 def expect_callable(function: str, fn: Any, parameter: str = "fn") -> None:
     expect(callable(fn), function, parameter, "a function (any callable)", fn)
+
+
+def did_you_mean(
+    names: str | Iterable[str], choices: Iterable[str], inline: bool = False
+) -> str:
+    """A suggestion, " Did you mean 'dp'?", when a name is close to one of `choices`
+    (a misspelled mesh axis, logical name, dimension or option), else "": the end of
+    a message, or with `inline`, " (did you mean 'dp'?)" to follow the name inside a
+    sentence. For
+    several unknown `names`, each that has a close match is named: " Did you mean 'dp'
+    for 'db', 'tp' for 'tb'?". The one place that suggests, for every message."""
+    names = [names] if isinstance(names, str) else [str(n) for n in names]
+    choices = [str(c) for c in choices]
+    found = {}
+    for name in names:
+        others = [c for c in choices if c != name]
+        # 0.5, not difflib's 0.6: two-letter mesh axes ('db' for 'dp') match at 0.5.
+        close = difflib.get_close_matches(name, others, n=1, cutoff=0.5)
+        if close:
+            found[name] = close[0]
+    if not found:
+        return ""
+    if len(names) == 1:
+        shown = repr(found[names[0]])
+    else:
+        shown = ", ".join(f"{c!r} for {n!r}" for n, c in found.items())
+    return f" (did you mean {shown}?)" if inline else f" Did you mean {shown}?"

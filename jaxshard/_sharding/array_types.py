@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec
 from .._annotations import dims, tensors
 from .._annotations.logical import active_rules, BY_NAME, explain, L, resolve
 from .._annotations.spec import format_spec, parse_compact, validate_spec
-from .._errors import AnnotationError
+from .._errors import AnnotationError, did_you_mean
 from .._jax_internals import (
     ArrayMeta,
     in_tree_flatten,
@@ -130,7 +130,8 @@ def _resolved(logical: tuple, by_name: bool, rules: Any) -> PartitionSpec:
     if unknown and not by_name and rules.unknown == "error":
         known = ", ".join(map(repr, rules.known)) or "none"
         raise AnnotationError(
-            f"The annotation's spec {shown} names {', '.join(map(repr, unknown))}, "
+            f"The annotation's spec {shown} names {', '.join(map(repr, unknown))}"
+            f"{did_you_mean(unknown, rules.known, inline=True)}, "
             f"which {rules.describe()} do not mention. The logical names they know: "
             f"{known}. Add a rule (`(name, None)` for unsharded), or pass "
             "`unknown='replicated'` to jaxshard.axis_rules to treat unknown names as "

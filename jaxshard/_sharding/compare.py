@@ -11,6 +11,7 @@ from .._annotations.spec import (
     format_spec,
     sharded_type,
 )
+from .._errors import did_you_mean
 from .describe import describe_mesh, describe_sharding
 
 
@@ -18,13 +19,16 @@ from .describe import describe_mesh, describe_sharding
 
 
 def missing_axes(spec: PartitionSpec, mesh) -> str:
+    """Why `spec` cannot be placed on `mesh`: the axes it names that the mesh lacks
+    ("" if none). The one wording of this mistake: eager, jit, `shardings`, `verify`."""
     names = [a for entry in spec for a in axes_of(entry) if a not in mesh.axis_names]
     if not names:
         return ""
     return (
         f"the annotation's spec {format_spec(spec)} names mesh axis "
-        f"{', '.join(map(repr, names))}, but the mesh {describe_mesh(mesh)} has "
-        f"axes {', '.join(map(repr, mesh.axis_names))}"
+        f"{', '.join(map(repr, names))}"
+        f"{did_you_mean(names, mesh.axis_names, inline=True)}, but the mesh "
+        f"{describe_mesh(mesh)} has axes {', '.join(map(repr, mesh.axis_names))}"
     )
 
 

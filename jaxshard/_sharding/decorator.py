@@ -48,6 +48,20 @@ def _details(notes: list[tuple[str, str, str, bool]]) -> str:
     return "\n".join(lines)
 
 
+def _message(message: str, notes: list, fn: Callable, args: tuple, kwargs: dict):
+    """jaxtyping's `message`, its dumps of the arguments cut to a line each; first,
+    the dimension two arguments bind to different sizes, if that is what failed;
+    last, the sharding details."""
+    from .bindings import cut_dumps, dimension_conflict
+
+    conflict = dimension_conflict(fn, args, kwargs, message)
+    message = cut_dumps(message, fn, args, kwargs)
+    if conflict:
+        name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)}"
+        message = f"{name}: {conflict}\n{message}"
+    return f"{message}\n{_details(notes)}" if notes else message
+
+
 def _with_notes(checked, fn):
     @ft.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -59,12 +73,12 @@ def _with_notes(checked, fn):
             return checked(*args, **kwargs)
         except TypeCheckError as e:
             notes = _notes.frames[-1]
-            if not notes or isinstance(e, ShardingError):
+            if isinstance(e, ShardingError):
                 raise
             error = ShardingError if any(n[3] for n in notes) else TypeCheckError
             # One exception whose message stands alone: jaxtyping's, with what
             # the sharding was; not beartype's and jaxtyping's chained under it.
-            raise error(f"{e}\n{_details(notes)}") from None
+            raise error(_message(str(e), notes, fn, args, kwargs)) from None
         finally:
             _notes.frames.pop()
 

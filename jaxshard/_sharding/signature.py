@@ -23,6 +23,7 @@ from .._annotations.logical import using
 from .._errors import AnnotationError, expect, expect_callable
 from .._jax_internals import context_mesh
 from .array_types import partition_spec
+from .compare import missing_axes
 
 
 _union_types = (typing.Union, type(int | str))
@@ -292,16 +293,32 @@ def shardings(
     expect_callable("shardings", fn)
     mesh = _resolve_mesh(mesh, "jaxshard.shardings")
     with using(rules):
-        return _shardings(fn, lambda spec: NamedSharding(mesh, _input_spec(spec)))
+        return _shardings(
+            fn, lambda spec: NamedSharding(mesh, _input_spec(spec)), mesh=mesh
+        )
 
 
-def _shardings(fn: Callable, make: Callable[[PartitionSpec], Any]) -> tuple[tuple, Any]:
+def _shardings(
+    fn: Callable, make: Callable[[PartitionSpec], Any], mesh: Any = None
+) -> tuple[tuple, Any]:
+    """`shardings`, each spec made into a leaf by `make`. With `mesh`, every spec
+    naming an axis the mesh lacks is found first, and a `ValueError` names them all
+    (JAX's own error names no function or parameter)."""
     sig, hints = signature(fn)
+    misplaced = []
 
     def leaf(annotation, where, default=None):
         del default
         spec = None if annotation is None else partition_spec(annotation)
-        return None if spec is None else make(spec)
+        if spec is None:
+            return None
+        reason = "" if mesh is None else missing_axes(spec, mesh)
+        if reason:
+            if hasattr(annotation, "explain"):  # say which rule
+                reason += f" ({annotation.explain()})"
+            misplaced.append(f"{where}: {reason}")
+            return None
+        return make(spec)
 
     leaf.prefixable = True  # pyright: ignore[reportFunctionMemberAccess]
     what = f"jaxshard.shardings({_name(fn)})"
@@ -310,6 +327,11 @@ def _shardings(fn: Callable, make: Callable[[PartitionSpec], Any]) -> tuple[tupl
         for p in _positional(sig, what)
     )
     out = _tree(hints.get("return", Any), leaf, f"{what}, return value")
+    if misplaced:
+        raise ValueError(
+            "; ".join(misplaced) + ". Name the mesh's axes in the annotation, or "
+            "in the axis rules that map its logical names to them."
+        )
     return ins, out
 
 

@@ -13,8 +13,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._annotations import dims as _dims
 from .._annotations.logical import using
 from .._annotations.spec import axes_of, format_spec
-from .._errors import expect_callable
+from .._errors import did_you_mean, expect_callable
 from .._sharding.array_types import partition_spec
+from .._sharding.compare import missing_axes
 from .._sharding.signature import (
     _array_annotations,
     _input_spec,
@@ -38,7 +39,8 @@ def stray_dims(fn: Callable, dims: Mapping[str, Any]) -> str:
     return (
         f"--dim names {', '.join(map(repr, stray))}, which no annotation of "
         f"{_name(fn)} uses; its dimensions are "
-        f"{', '.join(map(repr, sorted(known))) or 'none'}"
+        f"{', '.join(map(repr, sorted(known))) or 'none'}."
+        f"{did_you_mean(stray, sorted(known))}"
     )
 
 
@@ -119,6 +121,9 @@ def _bound_inputs(
             f"of {_name(fn)}."
         )
     inputs = _AbstractInputs(mesh, dict(dims or {}), dtypes)
+    # Names in `dims` no annotation uses: a misspelled one is what an unbound
+    # dimension's name is suggested from.
+    inputs.stray = sorted(set(inputs.dims) - _dimension_names(hints.values()))
     out = {}
     for p in sig.parameters.values():
         if p.name in values:
@@ -145,6 +150,7 @@ class _AbstractInputs:
         self.uneven: list[str] = []
         self.needs_value: list[str] = []
         self.used_dtypes: set = set()
+        self.stray: list[str] = []  # names in `dims` that no annotation uses
 
     def leaf(self, annotation: Any, where: str, default: Any = None) -> Any:
         if annotation is None:
@@ -170,6 +176,17 @@ class _AbstractInputs:
         dtype = _dtype(annotation, where, key, self.dtypes, self.used_dtypes)
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
+    def _misspelled(self) -> str:
+        """The names in `dims` that no annotation uses and that are close to an
+        unbound dimension's: likely typos of it."""
+        close = [n for n in self.stray if did_you_mean(n, self.unbound)]
+        if not close:
+            return ""
+        return (
+            f"; `dims` names {', '.join(map(repr, close))}, which no annotation "
+            f"uses{did_you_mean(close, self.unbound, inline=True)}"
+        )
+
     def problems(self, name: str) -> list[str]:
         """What kept the inputs of the function `name` from being built."""
         problems = []
@@ -185,6 +202,7 @@ class _AbstractInputs:
                     for n in self.unbound
                 )
                 + "} (a tuple of sizes for a variadic dimension)"
+                + self._misspelled()
             )
         if self.uneven:
             problems.append("; ".join(self.uneven))
@@ -216,13 +234,9 @@ def _uneven(spec: PartitionSpec, shape: tuple, mesh: Any, where: str) -> list[st
     out = []
     for i, entry in enumerate(spec):
         axes = axes_of(entry)
-        missing = [a for a in axes if a not in mesh.shape]
-        if missing:
-            out.append(
-                f"{where} is sharded over mesh axis {', '.join(map(repr, missing))}, "
-                f"which the mesh (axes {', '.join(map(repr, mesh.axis_names))}) lacks"
-            )
-            continue
+        if any(a not in mesh.shape for a in axes):
+            out.append(f"{where}: {missing_axes(spec, mesh)}")
+            break
         ways = math.prod(mesh.shape[a] for a in axes)
         if i < len(shape) and shape[i] % ways:
             out.append(

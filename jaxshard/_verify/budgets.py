@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._errors import expect
+from .._errors import did_you_mean, expect
 from .._sharding.describe import (
     describe_bytes as _bytes,
 )
@@ -123,6 +123,7 @@ def _check_budget(
             raise ValueError(
                 f"jaxshard.verify: max_collectives names {kind!r}, which is not a "
                 f"collective; the kinds are {', '.join(KINDS)}."
+                + did_you_mean(str(kind), KINDS)
             )
         expect(
             isinstance(count, int) and count >= 0,

@@ -12,6 +12,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .._errors import did_you_mean
+
 
 EXAMPLES = """\
 examples:
@@ -161,11 +163,60 @@ _VERIFY_ARGUMENTS = [
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors (exit status 2) also name the option or
+    command a misspelled one is close to: argparse does so only from Python 3.14,
+    and only when asked (`suggest_on_error`)."""
+
+    def error(self, message: str):  # pyright: ignore[reportIncompatibleMethodOverride]
+        suggestion = _suggestion(self, message)
+        super().error(f"{message}.{suggestion}" if suggestion else message)
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """A suggestion (" Did you mean '--dim'?") for the unrecognised options or the
+    invalid choice that argparse's `message` names, from those `parser` (and its
+    commands) take; "" if none is close."""
+    if "did you mean" in message.lower():  # argparse's own, on Python 3.14+
+        return ""
+    unknown = re.match(r"unrecognized arguments: (.*)", message)
+    if unknown:
+        names = [a.split("=")[0] for a in unknown[1].split() if a.startswith("-")]
+        return did_you_mean(names, _option_strings(parser)) if names else ""
+    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if choice:
+        return did_you_mean(choice[1], re.findall(r"[\w.-]+", choice[2]))
+    return ""
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    out = []
+    for action in parser._actions:
+        out += action.option_strings
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                out += _option_strings(command)
+    return list(dict.fromkeys(out))
+
+
+def _version() -> str:
+    import platform
+    from importlib.metadata import version
+
+    from .. import __version__
+
+    return (
+        f"jaxshard {__version__} (jax {version('jax')}, jaxtyping "
+        f"{version('jaxtyping')}, Python {platform.python_version()})"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m jaxshard",
         description="Check jaxshard's sharding contracts without running a program.",
     )
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True)
     verify = commands.add_parser(
         "verify",

@@ -180,7 +180,8 @@ def test_uneven_and_unknown_axes(auto_mesh):
     with pytest.raises(ValueError) as e:
         jaxshard.abstract_args(f, auto_mesh, {"b": 6})
     assert "size 6, which P('dp') splits 4 ways" in str(e.value)
-    assert "axis 'sp', which the mesh" in str(e.value)
+    assert "y: the annotation's spec P('sp') names mesh axis 'sp'" in str(e.value)
+    assert "has axes 'dp', 'tp'" in str(e.value)
 
 
 def test_dtypes(auto_mesh):

@@ -7,7 +7,10 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import pytest
+
+import jaxshard
 
 
 MODEL = textwrap.dedent(
@@ -281,6 +284,10 @@ def test_other_contract_failures_exit_1(run):
             "--dim names 'foo', which no annotation of layer uses",
         ),
         (
+            ["model:layer", "--mesh", "dp=4", "--dim", "b=16", "--dim", "dd=8"],
+            "its dimensions are 'b', 'd', 'f'. Did you mean 'd'?",
+        ),
+        (
             ["model:layer", "--mesh", "dp=4", *DIMS, "--dtype", "int32"],
             "--dtype asks for int32, which no array annotation of layer allows",
         ),
@@ -367,3 +374,42 @@ def test_no_libtpu_noise_on_a_machine_without_tpus(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "TPU_WORKER_HOSTNAMES" not in out.stderr and "E0000" not in out.stderr
     assert "TPU accelerator type" not in out.stderr
+
+
+def test_version(capsys):
+    from jaxshard._verify.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"jaxshard {jaxshard.__version__} (jax {jax.__version__}")
+
+
+@pytest.mark.parametrize(
+    "args, suggestion",
+    [
+        (
+            ["verify", "m:f", "--mesh", "dp=2", "--dimm", "b=2"],
+            "unrecognized arguments: --dimm b=2. Did you mean '--dim'?",
+        ),
+        (
+            ["verify", "m:f", "--mesh", "dp=2", "--max-colectives=all-gather=0"],
+            "Did you mean '--max-collectives'?",
+        ),
+        (["verfy", "m:f"], "Did you mean 'verify'?"),
+        (
+            ["verify", "m:f", "--mesh", "dp=2", "--axis-types", "explict"],
+            "Did you mean 'explicit'?",
+        ),
+    ],
+)
+def test_a_misspelled_option_or_command(capsys, args, suggestion):
+    """argparse's usage error and exit status 2, with the option meant: checked in
+    this process, as parsing comes before anything else the command does."""
+    from jaxshard._verify.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    assert suggestion in capsys.readouterr().err.strip().splitlines()[-1]
