@@ -111,6 +111,9 @@ def test_checked_call_finds_jaxtyping_frames():
     f(1)
     call = seen[0]
     assert call.function.endswith("test_checked_call_finds_jaxtyping_frames.<locals>.f")
+    # Where it is defined (its first line), for the report's violations.
+    assert call.function.source == (__file__, f.__wrapped__.__code__.co_firstlineno)
+    assert internals.function_name(len).source is None
     assert call.arguments == {"x": 1, "y": 3}
     assert call.hints == {"x": int, "y": int, "return": inspect.Signature.empty}
     assert not call.returned

@@ -11,7 +11,7 @@ from .._annotations import tensors
 from .._errors import expect_callable, ShardingError
 from .._jax_internals import in_trace, jit_parameters
 from .._sharding import diagnosis
-from .frames import _compiled
+from .frames import _compiled, recording_into
 from .records import _generation, deferred_scopes, Scope
 from .sites import CheckError
 
@@ -81,7 +81,7 @@ def checked(fn: Callable) -> Callable:
                 # an unchanged context keeps the call on jit's fast path.
                 return scope.run_compiled(compiled, checks, args, kwargs)
             scope.begin_call(args, kwargs)
-            with _config.overriding(check_scope=scope):
+            with recording_into(scope):
                 out = fn(*args, **kwargs)
         except ValueError as e:
             if not diagnosis.is_jit_mismatch(e):

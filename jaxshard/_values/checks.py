@@ -169,13 +169,16 @@ def _check_many(entries: list[tuple], filename: str, lineno: int) -> None:
         frame.add(sites, rows)
     elif sites[0].device_axes and scope is not None:
         raise RuntimeError(
-            f"jaxshard.check at {filename}:{lineno} is inside a `jax.shard_map` body, "
-            f"and {getattr(scope, 'name', 'a jaxshard.checked function')} runs it "
-            "under `jaxshard.checked`: its flags cannot leave a shard_map that "
-            "jaxshard did not make. Use `jaxshard.shard_map` instead (it takes the "
-            "same arguments, and can read in_specs and out_specs from annotations): "
-            "the check then reports once, with the failing device. Or make the check "
-            "outside the shard_map."
+            f"jaxshard.check at {filename}:{lineno} is inside a shard_map body that "
+            "JAX traced where jaxshard could not give it an extra output for the "
+            "check's flags, so they cannot leave the shard_map and "
+            f"{getattr(scope, 'name', 'the jaxshard.checked function')} cannot "
+            "report them. Under `jaxshard.checked`, jaxshard adds that output to "
+            "every shard_map body that JAX traces into a jaxpr (under `jax.jit`, "
+            "`scan`, `vmap`, autodiff) or runs eagerly, in the thread of the checked "
+            "call; this one was traced otherwise (by a transformation that traces "
+            "the body itself). Call the shard_map under `jax.jit` inside the checked "
+            "function, or make the check outside the shard_map."
         )
     elif isinstance(scope, Frame):
         scope.add(sites, rows)

@@ -23,7 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _config
-from .._jax_internals import current_trace, jit_parameters, new_ref_in
+from .._jax_internals import (
+    current_trace,
+    jit_parameters,
+    new_ref_in,
+    shard_map_outputs,
+)
 from .mesh import _split_mesh, _split_statistics, _statistics
 from .records import _accumulate, _fallback, _record
 from .rows import _evaluated_once, _full, _ONCE, _rows
@@ -112,7 +117,7 @@ def _compiled(fn: Callable) -> Callable | None:
 
     def program(*args, **kwargs):
         frame = Frame()
-        with _config.overriding(check_scope=frame):
+        with recording_into(frame):
             out = fun(*args, **kwargs)
         return out, Findings(frame, frame.packed())
 
@@ -147,7 +152,7 @@ class Frame:
     def __init__(self):
         self.trace = current_trace()
         self.number = next(_numbers)  # frames report in the order they were made
-        self.flag = new_ref_in(self.trace, np.zeros((), bool))
+        self._flag = None  # made by the first check that needs it (`flag`)
         # The call index, 0 here: a compiled call's is set when its findings are
         # folded, and a shard_map body's findings take the call's outside.
         self.call = jnp.zeros((), jnp.int32)
@@ -157,6 +162,15 @@ class Frame:
         self.groups: list[list[Site]] = []  # the others, a Ref per `check` call
         self.calls: list[list[Site]] = []  # the sites of each `check` call, in order
         self.sites_made = 0
+
+    @property
+    def flag(self) -> Any:
+        """A Ref raised by any check deeper in the trace: made in the trace when
+        first needed, so that a trace with no such check has no Ref (an unused one in
+        a shard_map body is not discharged under a `jit` that closes over Refs)."""
+        if self._flag is None:
+            self._flag = new_ref_in(self.trace, np.zeros((), bool))
+        return self._flag
 
     def owns_trace(self) -> bool:
         """Whether JAX is tracing the frame's own function (not a loop, a `vmap`, a
@@ -367,3 +381,24 @@ def shard_map_checks() -> Iterator[ShardMapFrame]:
         yield frame
     finally:
         _frames.stack.pop()
+
+
+@contextlib.contextmanager
+def recording_into(scope: Any) -> Iterator[None]:
+    """Checks made in the block record into `scope` (a `Frame`, or a `checked`
+    function's `Scope`), those inside any shard_map body JAX traces meanwhile too
+    (`jax.shard_map` too, not only `jaxshard.shard_map`): see `_through_frame`."""
+    with _config.overriding(check_scope=scope), shard_map_outputs(_through_frame):
+        yield
+
+
+def _through_frame(body: Callable) -> tuple[Any, Any, Callable | None]:
+    """Traces a shard_map body (`body()`) with a `ShardMapFrame` collecting its
+    checks: what they found leaves the shard_map as an extra output (the same on
+    every device), recorded outside by `ShardMapFrame.forward`. A body without
+    checks is left as it is (see `shard_map_outputs`)."""
+    with shard_map_checks() as frame:
+        out = body()
+    if not frame.calls:
+        return out, None, None
+    return out, frame.packed(), frame.forward

@@ -1,8 +1,9 @@
 """`python -m jaxshard verify pkg.module:fn --topology v5e:16x16 --mesh dp=16,tp=16 ...`
+and `python -m jaxshard show SNAPSHOT --html PAGE`.
 
 Exit status: 0 when every contract holds, 1 on violations (or another contract
 failure, such as a wrong shape), 2 on usage errors, 3 when the function itself fails
-to trace or compile.
+to trace or compile. `show` exits with 0, or 2 when the snapshot cannot be read.
 """
 
 import argparse
@@ -40,6 +41,8 @@ MODEL_FAILED = 3  # the exit status when the function fails to trace or compile
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "show":  # reads a file: no JAX, no compiler
+        return _show(args)
     _start_jax()
     from jaxtyping import AnnotationError
 
@@ -51,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(report, int):  # the exit status of a failure
         return report
     print(report.to_json() if args.json else report)
+    if args.html is not None and not _wrote(args.html, report.html):
+        return 2
     if args.snapshot is not None:
         try:
             report.save(args.snapshot)
@@ -59,6 +64,38 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(f"Snapshot written to {args.snapshot}.", file=sys.stderr)
     return 0 if report.ok else 1
+
+
+def _wrote(path: str, html: Any) -> bool:
+    """Writes the page `html()` to `path`, saying so; `False` if it cannot."""
+    from .html import write
+
+    try:
+        write(html(), path)
+    except OSError as e:
+        print(f"cannot write the page {path}: {e}", file=sys.stderr)
+        return False
+    print(f"Report page written to {path}.", file=sys.stderr)
+    return True
+
+
+def _show(args: argparse.Namespace) -> int:
+    """`show SNAPSHOT [--html PATH]`: the page of a saved snapshot, or its verdict."""
+    from .html import page, summary
+
+    try:
+        data = load_snapshot(args.snapshot, "python -m jaxshard show")
+    except (FileNotFoundError, ValueError) as e:
+        message = str(e).replace("`--snapshot PATH`", "`verify --snapshot PATH`")
+        print(message, file=sys.stderr)
+        return 2
+    if args.html is None:
+        print(summary(data))
+        return 0
+    if args.html == "-":
+        sys.stdout.write(page(data))
+        return 0
+    return 0 if _wrote(args.html, lambda: page(data)) else 2
 
 
 def _start_jax() -> None:
@@ -149,20 +186,25 @@ def _verified(args: argparse.Namespace, inputs: dict[str, Any]) -> Any:
     try:
         return verify(**inputs, raise_on_error=False)
     except TypeCheckError as e:  # a contract that is not a sharding's
-        print(f"{type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        status, message = 1, f"{type(e).__name__}: {e}"
     except ModelError as e:
-        print(f"{args.function}: {e}", file=sys.stderr)
-        return MODEL_FAILED
+        status, message = MODEL_FAILED, f"{args.function}: {e}"
     except Exception as e:  # the function's own error, raised while tracing it
         where = traceback.extract_tb(e.__traceback__)[-1]
-        print(
-            f"{args.function} failed to trace or compile: {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''} ({where.filename}:"
-            f"{where.lineno})",
-            file=sys.stderr,
+        status, message = (
+            MODEL_FAILED,
+            (
+                f"{args.function} failed to trace or compile: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''} ({where.filename}:"
+                f"{where.lineno})"
+            ),
         )
-        return MODEL_FAILED
+    print(message, file=sys.stderr)
+    if args.html is not None:  # the CI job's artifact says why there is no report
+        from .html import failure
+
+        _wrote(args.html, lambda: failure(args.function, inputs["mesh"], message))
+    return status
 
 
 def _make_mesh(axes: dict[str, int], topology: str | None, axis_types: str | None):

@@ -160,7 +160,19 @@ _VERIFY_ARGUMENTS = [
         action="store_true",
         help="print the report as JSON instead",
     ),
+    _arg(
+        "--html",
+        metavar="PATH",
+        help="also write the report as one self-contained HTML page to PATH (for a CI "
+        "job's artifacts), whether the contracts hold or not",
+    ),
 ]
+
+SHOW_EXAMPLES = """\
+examples:
+  python -m jaxshard show snapshots/model.v5e.json --html model.html
+  python -m jaxshard show snapshots/model.v5e.json
+"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -233,6 +245,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     for flags, options in _VERIFY_ARGUMENTS:
         verify.add_argument(*flags, **options)
+    show = commands.add_parser(
+        "show",
+        help="draw a saved snapshot as an HTML page (nothing is compiled)",
+        description=(
+            "Read a snapshot written by `report.save(path)` or `verify --snapshot "
+            "PATH` and write it as a self-contained HTML page (--html), or print its "
+            "verdict. Nothing is compiled: no TPU, no libtpu, no model needed."
+        ),
+        epilog=SHOW_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    show.add_argument("snapshot", metavar="SNAPSHOT", help="a snapshot's JSON file")
+    show.add_argument(
+        "--html", metavar="PATH", help="write the page to PATH (- for stdout)"
+    )
     return parser
 
 

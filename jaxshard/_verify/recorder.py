@@ -11,6 +11,7 @@ from .._sharding.describe import (
     describe_sharding,
 )
 from .._sharding.sites import call_numbers, describe_call, Site
+from .collectives import _relative
 from .report import (
     Row,
 )
@@ -50,6 +51,7 @@ class Recorder:
                     else ""
                 ),
                 types=_types(site, actual),
+                source=_source(site.function),
             )
             key = (row.function, row.name, row.annotation, row.array, row.reason)
             found.setdefault((*key, row.call), row)
@@ -65,6 +67,12 @@ def _types(site: Site, actual: Any) -> tuple[str, str]:
         expected = fill_unconstrained(site.spec, ())
         found = describe_sharding(actual, len(site.shape))
     return sharded_type(site.dtype, site.shape, expected), found
+
+
+def _source(function: Any) -> str:
+    """`model.py:42`: where the annotated function is defined."""
+    source = getattr(function, "source", None)
+    return "" if source is None else f"{_relative(source[0])}:{source[1]}"
 
 
 def _qualname(function: Any) -> str | None:

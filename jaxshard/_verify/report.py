@@ -44,6 +44,8 @@ class Row:
         annotated calls around it, e.g. `"Block.__call__ #5 of 8 (in
         Decoder.__call__)"`; `""` for a contract that holds (its row stands for
         every call).
+    - `source`: where the annotated function is defined, `"model.py:42"` (`""` for
+        a budget).
     """
 
     function: str | None
@@ -57,6 +59,7 @@ class Row:
     call: str = ""
     types: tuple[str, str] = ("", "")  # expected_type, actual_type
     budget: tuple[str, str] | None = None  # (limit, found) of a collective budget
+    source: str = ""
 
     @property
     def expected_type(self) -> str:
@@ -121,10 +124,13 @@ class Report:
     - `inputs`, `outputs`: every input and output array of the compiled program, by
         its path (`"params.wq"`, `"return['loss']"`), as a `jax.ShapeDtypeStruct`
         with the sharding XLA gave it.
+    - `against`: the snapshot it was compared with (`verify(..., against=path)`),
+        or `None`.
 
     `str(report)` is a table; `report.to_dict()` is plain data, for JSON;
     `report.save(path)` writes a golden snapshot, which `report.compare(path)` (or
-    `verify(..., against=path)`) checks a later report against.
+    `verify(..., against=path)`) checks a later report against. `report.html()` is
+    a page to look at, and a report is drawn as one in a notebook.
     """
 
     function: str
@@ -136,6 +142,30 @@ class Report:
     inputs: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     outputs: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     notes: tuple[str, ...] = ()  # what was left out of the program, and why
+    against: str | None = None
+
+    def html(self) -> str:
+        """The report as one self-contained HTML page (no network, no external
+        scripts or fonts): the verdict and every violation with its source line, how
+        each input is laid out over the mesh's axes, memory per device against the
+        HBM, the collectives by line of code, what changed since the snapshot, and
+        every table, searchable and sortable. A view of the data `save` writes:
+        `python -m jaxshard show SNAPSHOT --html PAGE` draws a saved one."""
+        from . import html
+
+        return html.page(_snapshot.snapshot(self))
+
+    def save_html(self, path: str | os.PathLike) -> None:
+        """Writes `html()` to `path`, e.g. as a CI job's artifact."""
+        from . import html
+
+        html.write(html.page(_snapshot.snapshot(self)), path)
+
+    def _repr_html_(self) -> str:
+        """A notebook (Jupyter, Colab) draws the report as `html()` does."""
+        from . import html
+
+        return html.fragment(_snapshot.snapshot(self))
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the report's golden snapshot to `path` (JSON): every input's and

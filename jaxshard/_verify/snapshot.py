@@ -2,11 +2,13 @@
 what `verify(..., against=path)` compares.
 
 A snapshot is sorted JSON with nothing that changes from run to run (no times, no
-addresses, no line numbers): every input's and output's layout in JAX's notation
+addresses): every input's and output's layout in JAX's notation
 (`bfloat16[4096@fsdp,32@tp]`), every contract's verdict, the collectives per kind
 (count, bytes, and the functions and mesh axes they came from) and the memory per
 device. Counts, layouts and verdicts must match exactly; bytes may grow by the
-tolerance.
+tolerance. What the page of `report.html()` draws besides (the violations, each
+array's spec and bytes, the collectives by line of code: `view`) is kept too, and
+not compared: lines of code move with every edit.
 """
 
 import json
@@ -18,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from .._annotations.spec import format_spec, sharded_type
 from .._sharding.describe import describe_bytes, describe_devices, describe_sharding
+from .view import view
 
 
 FORMAT = 1
@@ -62,6 +65,7 @@ def snapshot(report: Any) -> dict:
         "contracts": sorted(contracts, key=lambda c: [str(c[k]) for k in order]),
         "collectives": collectives,
         "memory": None if memory is None else {k: memory[k] for k in MEMORY},
+        **view(report),
     }
 
 

@@ -1517,9 +1517,10 @@ def test_donated_state_and_a_copy():
 
 
 @pytest.mark.parametrize("jitted", [True, False])
-def test_check_inside_raw_shard_map_under_checked_is_refused(jitted, mesh):
-    """Under `checked`, a check inside a plain `jax.shard_map` cannot report: it is
-    refused while tracing, with what to use instead, on Auto and Explicit meshes."""
+def test_check_inside_raw_shard_map_under_checked_reports(jitted, mesh):
+    """Under `checked`, a check inside a plain `jax.shard_map` reports as one inside
+    `jaxshard.shard_map` does, with the failing device, on Auto and Explicit meshes
+    (more in test_shard_map_checks.py)."""
 
     def local(x):
         jaxshard.check(x < 50, "raw {v}", v=x)
@@ -1528,8 +1529,8 @@ def test_check_inside_raw_shard_map_under_checked_is_refused(jitted, mesh):
     mapped = jax.shard_map(local, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
     f = jaxshard.checked(jax.jit(mapped) if jitted else lambda x: jax.jit(mapped)(x))
     x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("dp")))
-    with pytest.raises(RuntimeError, match="Use `jaxshard.shard_map` instead"):
-        f(x)
+    (found,) = failures(f, x + 48)
+    assert found.message == "raw 50.0" and found.device == {"dp": 1, "tp": 0}
     g = jaxshard.checked(
         jax.jit(
             jaxshard.shard_map(local, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
