@@ -164,7 +164,7 @@ def verify(
     if golden is not None:
         rows = report.rows + report._differences(golden, against, tolerance)
         found = report.collectives
-        report = dataclasses.replace(report, rows=rows)
+        report = dataclasses.replace(report, rows=rows, against=os.fspath(against))
         report.__dict__["collectives"] = found
     if raise_on_error and not report.ok:
         raise _error(report, inputs.name, mesh)

@@ -1,0 +1,239 @@
+"""`report.html()`: the report as one self-contained HTML page, drawn from the data
+`report.save()` writes (a snapshot, `snapshot.snapshot`), so that a saved snapshot
+is drawn the same way later (`python -m jaxshard show`).
+
+Everything is drawn here, as plain HTML and inline SVG: the page reads without
+JavaScript (a notebook that runs no scripts, a CI artifact viewer). `page.js` only
+sorts and filters the tables; `page.css` is scoped under `.jxs` so that a notebook
+keeps its own style. The data is embedded too, as JSON. Every text is escaped.
+"""
+
+import hashlib
+import json
+import math
+import os
+import re
+from html import escape
+from importlib import resources
+from typing import Any
+
+from .._sharding.describe import describe_bytes
+
+
+# The mesh axes' colours, in the mesh's order (Google's chart palette).
+AXIS_COLORS = ("#1a73e8", "#e8710a", "#188038", "#9334e6", "#d01884", "#12b5cb")
+SHOWN_ARRAYS = 12  # arrays drawn before "Show all"
+SHOWN_SITES = 10  # lines of code in the collectives panel
+MEMORY = (
+    ("arguments", "var(--args)"),
+    ("outputs", "var(--outs)"),
+    ("temporaries", "var(--temps)"),
+    ("code", "var(--code)"),
+)
+
+
+def page(data: dict) -> str:
+    """A whole HTML document for the snapshot `data`."""
+    title = f"{data.get('function', '?')} · jaxshard.verify"
+    return (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        # Nothing is fetched: the browser refuses any address the page might name.
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
+        "style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:\">\n"
+        f"<title>{escape(title)}</title>\n"
+        "<style>body { margin: 0; background: #fff; }</style>\n"
+        f"</head>\n<body>\n{fragment(data)}\n</body>\n</html>\n"
+    )
+
+
+def fragment(data: dict) -> str:
+    """The report as one `<div>` with its style, data and script: what a notebook
+    shows, and the body of `page`."""
+    text = json.dumps(data, sort_keys=True, ensure_ascii=False)
+    root = "jxs-" + hashlib.sha1(text.encode()).hexdigest()[:10]
+    view = _View(data, root)
+    script = _asset("page.js").replace("__ROOT__", root)
+    return (
+        f'<div class="jxs" id="{root}">\n<style>{_asset("page.css")}</style>\n'
+        f"{view.body()}\n"
+        f'<script type="application/json" class="jxs-data">{_script_safe(text)}'
+        f"</script>\n<script>{_script_safe_code(script)}</script>\n</div>"
+    )
+
+
+def failure(function: str, mesh: Any, message: str) -> str:
+    """The page of a run that made no report: the function failed to trace or
+    compile, for a reason of its own (`message`)."""
+    from .._sharding.describe import describe_devices
+
+    data = {
+        "function": function,
+        "mesh": ",".join(f"{k}={v}" for k, v in mesh.shape.items()),
+        "axis_types": [t.name for t in mesh.axis_types],
+        "devices": describe_devices(mesh),
+        "ok": False,
+        "error": message,
+    }
+    return page(data)
+
+
+def summary(data: dict) -> str:
+    """The verdict of the snapshot `data` as text: what `show` prints."""
+    view = _View(data, "")
+    lines = [
+        f"{data.get('function')} on mesh {data.get('mesh')}, {data.get('devices')}: "
+        + (
+            "every contract holds."
+            if view.ok
+            else f"{len(view.violations)} violations:"
+        )
+    ]
+    for x in view.violations:
+        what = ", ".join(filter(None, [x.get("call") or x.get("function"), x["value"]]))
+        where = f" ({x['source']})" if x.get("source") else ""
+        lines.append(f"- {what}{where}: {x.get('reason') or x.get('actual')}")
+    memory = data.get("memory")
+    if memory:
+        hbm = (data.get("program") or {}).get("hbm_bytes")
+        of = f" of {_b(hbm)} of HBM" if hbm else ""
+        lines.append(f"Memory per device: {_b(memory['total'])}{of}.")
+    return "\n".join(lines)
+
+
+def write(text: str, path: str | os.PathLike) -> None:
+    path = os.fspath(path)
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _asset(name: str) -> str:
+    return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
+
+
+def _script_safe(text: str) -> str:
+    """JSON that no `</script>` (or `<!--`) in a name can end early."""
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _script_safe_code(code: str) -> str:
+    assert "</script" not in code.lower()
+    return code
+
+
+def _b(n: Any) -> str:
+    return "?" if n is None else describe_bytes(n)
+
+
+# --- reading old snapshots ----------------------------------------------------------
+
+_LAYOUT = re.compile(r"^(\w+)\[(.*)\]")
+_DIM = re.compile(r"(\d+)(?:@\(([^)]*)\)|@(\w+))?")
+
+
+def _mesh_axes(data: dict) -> list[tuple[str, int]]:
+    axes = []
+    for part in str(data.get("mesh") or "").split(","):
+        name, _, size = part.partition("=")
+        if name and size.isdigit():
+            axes.append((name, int(size)))
+    return axes
+
+
+def _from_layout(text: str, sizes: dict[str, int]) -> dict:
+    """An array's entry of `view.array` from its layout, `float32[64@dp,16]` (for
+    a snapshot written before snapshots held them)."""
+    m = _LAYOUT.match(text or "")
+    if not m:
+        return {"dtype": "?", "shape": [], "spec": None, "bytes": 0, "device_bytes": 0}
+    shape, spec = [], []
+    for dim in _DIM.finditer(m[2]):
+        shape.append(int(dim[1]))
+        spec.append(dim[2].split(",") if dim[2] else [dim[3]] if dim[3] else [])
+    width = _itemsize(m[1])
+    block = [
+        -(-n // math.prod(sizes.get(a, 1) for a in ax)) for n, ax in zip(shape, spec)
+    ]
+    return {
+        "dtype": m[1],
+        "shape": shape,
+        # `float32[8,4] (fully replicated)`: not laid out by mesh axes
+        "spec": None if text[m.end() :].strip() else spec,
+        "bytes": math.prod(shape) * width,
+        "device_bytes": math.prod(block) * width,
+    }
+
+
+def _itemsize(dtype: str) -> int:
+    import numpy as np
+
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, dtype, "float32")).itemsize
+
+
+# --- the page -----------------------------------------------------------------------
+
+
+class _View:
+    """The parts of the page, each a string of HTML, from the snapshot `data`."""
+
+    def __init__(self, data: dict, root: str):
+        self.data, self.root = data, root
+        self.axes = _mesh_axes(data)
+        self.sizes = dict(self.axes)
+        self.colors = {
+            a: AXIS_COLORS[i % len(AXIS_COLORS)] for i, (a, _) in enumerate(self.axes)
+        }
+        self.arrays = {side: self._arrays(side) for side in ("inputs", "outputs")}
+        self.violations = data.get("violations")
+        if self.violations is None:  # an older snapshot: its contracts only
+            self.violations = [
+                {"kind": "contract", "function": c.get("function", ""), "call": "",
+                 "value": c.get("value", ""), "expected": c.get("expected", ""),
+                 "actual": c.get("actual", ""), "type": c.get("type", ""),
+                 "reason": "", "source": ""}
+                for c in data.get("contracts", []) if not c.get("ok", True)
+            ]  # fmt: skip
+        self.ok = data.get("ok", not self.violations)
+
+    def _arrays(self, side: str) -> dict[str, dict]:
+        given = (self.data.get("layouts") or {}).get(side)
+        if given is not None:
+            return given
+        layouts = self.data.get(side) or {}
+        return {k: _from_layout(v, self.sizes) for k, v in layouts.items()}
+
+    def body(self) -> str:
+        from . import html_parts as parts
+
+        if self.data.get("error"):  # no report: the function failed to compile
+            return "\n".join(
+                [parts.header(self), parts.error(self), parts.footer(self)]
+            )
+        return "\n".join(
+            [
+                parts.header(self),
+                parts.verdict(self),
+                '<div class="panels">',
+                parts.memory(self),
+                parts.collectives(self),
+                parts.changes(self),
+                parts.layouts(self),
+                "</div>",
+                parts.tables(self),
+                parts.notes(self),
+                parts.footer(self),
+            ]
+        )
+
+    def axis(self, name: str, size: int | None = None) -> str:
+        """A mesh axis's chip, in its colour."""
+        color = self.colors.get(name, "#5f6368")
+        label = escape(name) + ("" if size is None else f" {size}")
+        return f'<span class="chip axis" style="color:{color}">{label}</span>'

@@ -1,0 +1,385 @@
+"""The sections of `report.html()`'s page (`html._View.body` puts them in order):
+the verdict and the violations, memory per device, the collectives by line of code,
+the changes since the snapshot, each array's layout over the mesh, and the tables.
+Each takes the page's `_View` and returns HTML, every text escaped."""
+
+import math
+from html import escape
+from typing import Any
+
+from .html import _b, MEMORY, SHOWN_ARRAYS, SHOWN_SITES
+
+
+def _e(value: Any) -> str:
+    return escape("" if value is None else str(value))
+
+
+def header(v: Any) -> str:
+    d = v.data
+    mesh = " ".join(v.axis(a, n) for a, n in v.axes) or _e(d.get("mesh"))
+    types = "/".join(sorted(set(d.get("axis_types") or ()))) or "?"
+    flops = (d.get("program") or {}).get("flops")
+    flops = (
+        "" if flops is None else f'<span class="chip">{flops:.3g} FLOPs/device</span>'
+    )
+    return (
+        '<header><span class="brand">jaxshard.verify</span>'
+        f"<h1><code>{_e(d.get('function'))}</code></h1>"
+        f'<span class="muted small">mesh</span> {mesh}'
+        f'<span class="chip">{_e(types)} axes</span>'
+        f'<span class="chip">{_e(d.get("devices"))}</span>{flops}</header>'
+    )
+
+
+def verdict(v: Any) -> str:
+    contracts = v.data.get("contracts", [])
+    if v.ok:
+        text = f"All {len(contracts)} sharding contracts hold"
+        if v.data.get("against"):
+            text += ", and nothing changed since the snapshot"
+        return f'<div class="verdict good"><span class="mark">✓</span>{_e(text)}.</div>'
+    count = {k: sum(x["kind"] == k for x in v.violations) for k in _KINDS}
+    of = {"contract": len(contracts)}  # as `str(report)` says it: 2 of 9 ...
+    parts = [
+        f"{n} {f'of {of[k]} ' if of.get(k) else ''}{_KINDS[k][0]}"
+        f"{'s' if max(n, of.get(k, 0)) > 1 else ''} {_KINDS[k][1]}"
+        for k, n in count.items()
+        if n
+    ]
+    items = "\n".join(_violation(x) for x in v.violations)
+    return (
+        f'<div class="verdict bad" id="verdict"><span class="mark">✗</span>'
+        f"{_e(', '.join(parts))}</div>\n"
+        f'<ol class="violations" id="violations">{items}</ol>'
+    )
+
+
+def error(v: Any) -> str:
+    return (
+        '<div class="verdict bad" id="verdict"><span class="mark">✗</span>The '
+        "function failed to trace or compile: no contract was checked</div>"
+        f'<pre class="violation reason mono">{_e(v.data["error"])}</pre>'
+    )
+
+
+_KINDS = {
+    "contract": ("sharding contract", "violated"),
+    "budget": ("budget", "exceeded"),
+    "snapshot": ("difference", "from the snapshot"),
+}
+
+
+def _violation(x: dict) -> str:
+    kind = x.get("kind", "contract")
+    if kind == "contract":
+        who = ", ".join(filter(None, [x.get("call") or x.get("function"), x["value"]]))
+        layout = (
+            f'<div class="layout small">expected <code>{_e(x["expected"])}</code>, '
+            f"found <code>{_e(x['actual'])}</code>"
+            + (f" · <code>{_e(x['type'])}</code>" if x.get("type") else "")
+            + "</div>"
+        )
+    else:
+        who = x["value"].removeprefix("snapshot: ")
+        layout = (
+            f'<div class="layout small">limit <code>{_e(x["expected"])}</code>, '
+            f"found <code>{_e(x['actual'])}</code></div>"
+            if kind == "budget"
+            else ""
+        )
+    source = x.get("source")
+    source = f'<code class="source">{_e(source)}</code>' if source else ""
+    return (
+        f'<li class="violation"><div class="title"><span class="kind {kind}">'
+        f"{_e(kind)}</span><strong>{_e(who)}</strong>{source}</div>{layout}"
+        f'<div class="reason">{_e(x.get("reason"))}</div></li>'
+    )
+
+
+def memory(v: Any) -> str:
+    m = v.data.get("memory")
+    program = v.data.get("program") or {}
+    if not m:
+        why = (
+            "XLA refused to compile the program: it does not fit in a device's HBM."
+            if program.get("fits") is False
+            else "The compiler gave no memory analysis."
+        )
+        return _panel("Memory per device", f'<p class="muted">{why}</p>')
+    hbm = program.get("hbm_bytes")
+    used = dict(m, code=program.get("code") or 0)
+    used["outputs"] = max(0, m["outputs"] - m.get("aliased", 0))
+    whole = sum(used[k] for k, _ in MEMORY) or 1
+    bar = "".join(
+        f'<span style="width:{100 * used[k] / whole:.3f}%;background:{c}" '
+        f'title="{k} {_b(used[k])}"></span>'
+        for k, c in MEMORY
+    )
+    rows = "".join(
+        f'<span class="swatch" style="background:{c}"></span><span>{k}'
+        + (
+            f" (aliased {_b(m['aliased'])})"
+            if k == "outputs" and m.get("aliased")
+            else ""
+        )
+        + f'</span><span class="num">{_b(used[k] if k != "outputs" else m[k])}'
+        + (f' <span class="muted">{used[k] / hbm:.1%} of HBM</span>' if hbm else "")
+        + "</span>"
+        for k, c in MEMORY
+    )
+    return _panel(
+        "Memory per device",
+        _hbm_meter(m["total"], hbm)
+        + f'<div class="bar" id="memory-bar">{bar}</div>'
+        + f'<div class="legend">{rows}</div>',
+    )
+
+
+def _hbm_meter(total: int, hbm: int | None) -> str:
+    """How much of a device's HBM the program fills, as a meter and a sentence."""
+    if hbm is None:
+        return (
+            f'<div class="fit">{_b(total)} in all; the HBM of these devices is '
+            "unknown (not a TPU mesh).</div>"
+        )
+    full = min(1.0, total / hbm)
+    color = "var(--bad)" if total > hbm else "var(--good)"
+    return (
+        f'<div class="bar thin" title="{total / hbm:.2%} of HBM"><span style="width:'
+        f'{max(100 * full, 0.6):.2f}%;background:{color}"></span></div>'
+        + _fit(total, hbm)
+    )
+
+
+def _fit(total: int, hbm: int) -> str:
+    if total <= hbm:
+        return (
+            f'<div class="fit good">Fits: {_b(total)} of {_b(hbm)} of HBM '
+            f"({total / hbm:.1%}), {_b(hbm - total)} to spare. The program's parts:"
+            "</div>"
+        )
+    return (
+        f'<div class="fit bad">Does not fit: {_b(total)}, more than the '
+        f"{_b(hbm)} of HBM by {_b(total - hbm)}. The program's parts:</div>"
+    )
+
+
+def collectives(v: Any) -> str:
+    sites = v.data.get("sites")
+    if sites is None:  # an older snapshot: per kind and function only
+        sites = [
+            {"line": "", "function": f, "kind": kind, "axes": None, "count": n,
+             "bytes": None}
+            for kind, entry in sorted((v.data.get("collectives") or {}).items())
+            for f, n in sorted(entry.get("functions", {}).items())
+        ]  # fmt: skip
+    if not sites:
+        return _panel(
+            "Collectives", '<p class="muted">None: no device talks to another.</p>'
+        )
+    most = max((s["bytes"] or 0 for s in sites), default=0) or 1
+    rows = "".join(
+        f'<tr><td><span class="chip">{_e(s["kind"])}</span></td>'
+        f"<td>{_axes(v, s['axes'])}</td>"
+        f'<td class="num">×{s["count"]}</td><td class="num">{_b(s["bytes"])}</td>'
+        f'<td><div class="meter"><span style="width:'
+        f'{100 * (s["bytes"] or 0) / most:.1f}%"></span></div></td>'
+        f'<td title="{_e(s.get("where"))}"><code class="source">{_e(s["line"])}</code>'
+        f' <span class="muted">{_e(s["function"])}</span></td></tr>'
+        for s in sites[:SHOWN_SITES]
+    )
+    total = sum(s["bytes"] or 0 for s in sites)
+    more = len(sites) - SHOWN_SITES
+    tail = f"; {more} more lines in the table below" if more > 0 else ""
+    return _panel(
+        "Collectives by line of code, most bytes first",
+        f'<table class="sites" id="top-lines">{rows}</table><p class="muted small">'
+        f"{_count(sum(s['count'] for s in sites))}, {_b(total)} per device{tail}.</p>",
+    )
+
+
+def _axes(v: Any, axes: list | None) -> str:
+    if axes is None:
+        return '<span class="muted small">axes unknown</span>'
+    return " ".join(v.axis(a) for a in axes) or '<span class="muted small">none</span>'
+
+
+def changes(v: Any) -> str:
+    found = [x for x in v.violations if x.get("kind") == "snapshot"]
+    against = v.data.get("against")
+    if not found and not against:
+        return ""
+    if not found:
+        return _panel(
+            "Since the snapshot",
+            f'<p class="ok">Nothing changed since <code>{_e(against)}</code>.</p>',
+        )
+    rows = "".join(
+        f"<tr><td><strong>{_e(x['value'].removeprefix('snapshot: '))}</strong></td>"
+        f'<td class="mono"><span class="was">{_e(x["expected"])}</span> → '
+        f'<span class="now">{_e(x["actual"])}</span></td></tr>'
+        for x in found
+    )
+    head = f"Compared with <code>{_e(against)}</code>: " if against else ""
+    return _panel(
+        "Since the snapshot",
+        f'<p class="small">{head}{len(found)} difference{"s" * (len(found) > 1)}.</p>'
+        f'<table class="diff" id="diff">{rows}</table>',
+    )
+
+
+def _panel(title: str, body: str, wide: bool = False) -> str:
+    cls = "panel wide" if wide else "panel"
+    return f'<section class="{cls}"><h2>{_e(title)}</h2>{body}</section>'
+
+
+def layouts(v: Any) -> str:
+    arrays = sorted(v.arrays["inputs"].items(), key=lambda kv: -kv[1]["device_bytes"])
+    if not arrays:
+        return ""
+    cards = "".join(
+        _card(v, name, a, hidden=i >= SHOWN_ARRAYS)
+        for i, (name, a) in enumerate(arrays)
+    )
+    more = len(arrays) - SHOWN_ARRAYS
+    button = (
+        f'<p><button data-more="more-arrays">Show all {len(arrays)} inputs</button></p>'
+        if more > 0
+        else ""
+    )
+    legend = " ".join(v.axis(a, n) for a, n in v.axes)
+    return _panel(
+        "Inputs laid out over the mesh, most bytes per device first",
+        f'<p class="small muted">Each box is one array; lines split it over the mesh '
+        f"axes of their colour (mesh {legend}).</p>"
+        f'<div class="arrays" id="arrays">{cards}</div>{button}',
+        wide=True,
+    )
+
+
+def _card(v: Any, name: str, a: dict, hidden: bool) -> str:
+    spec = a.get("spec")
+    used = {x for axes in spec or [] for x in axes}
+    copies = [(x, n) for x, n in v.axes if x not in used and n > 1]
+    if spec is None:
+        note = "not laid out by mesh axes"
+    elif copies:
+        note = "a copy on each of " + " ".join(v.axis(x, n) for x, n in copies)
+    else:
+        note = "no copies: each device holds its own part"
+    dims = ",".join(
+        str(n) + ("@" + "·".join(ax) if ax else "")
+        for n, ax in zip(a["shape"], spec or [[]] * len(a["shape"]))
+    )
+    cls = "array hidden more-arrays" if hidden else "array"
+    return (
+        f'<div class="{cls}"><div class="name mono">{_e(name)}</div>'
+        f'<div class="mono small muted">{_e(a["dtype"])}[{_e(dims)}]</div>'
+        f"{diagram(v, a['shape'], spec)}"
+        f'<div class="small">{_b(a["device_bytes"])} per device of {_b(a["bytes"])}'
+        f'</div><div class="small muted">{note if spec is None else note}</div></div>'
+    )
+
+
+def diagram(v: Any, shape: list, spec: list | None) -> str:
+    """The array as a box, split as `jax.debug.visualize_array_sharding` draws it:
+    rows and columns for the two dimensions drawn (those split over mesh axes
+    first), each cut into as many parts as its axes have devices (16 at most drawn),
+    with lines in the axes' colours."""
+    spec = spec or [[]] * len(shape)
+    split = [i for i, axes in enumerate(spec) if axes]
+    drawn = sorted(
+        (split + [i for i in reversed(range(len(shape))) if i not in split])[:2]
+    )
+    width, height = 170, 26
+    if len(drawn) == 2:
+        ratio = shape[drawn[0]] / max(shape[drawn[1]], 1)
+        height = max(30, round(width * min(1.0, max(0.22, ratio))))
+    r = drawn[0] if len(drawn) == 2 else None
+    c = drawn[-1] if drawn else None
+    rows, cols = (1 if d is None else _parts(v, spec[d]) for d in (r, c))
+    out = [
+        f'<svg width="{width + 2}" height="{height + 16}" role="img">',
+        f'<rect x="1" y="1" width="{width}" height="{height}" fill="#eef1f4"/>',
+    ]
+    fill = _color(v, spec[r] if r is not None and rows > 1 else spec[c] if c else [])
+    nr, nc = min(rows, 16), min(cols, 16)
+    w, h = width / nc, height / nr
+    for i in range(nr) if rows * cols > 1 else ():
+        for j in range(nc):
+            shade = 0.14 if (i + j) % 2 == 0 else 0.3
+            out.append(
+                f'<rect x="{1 + j * w:.1f}" y="{1 + i * h:.1f}" width="{w:.1f}" '
+                f'height="{h:.1f}" fill="{fill}" fill-opacity="{shade}"/>'
+            )
+    for i in range(1, nr):  # the cuts between rows, in their axes' colour
+        y = 1 + i * h
+        out.append(_line(1, y, width + 1, y, _color(v, spec[r])))
+    for j in range(1, nc):
+        x = 1 + j * w
+        out.append(_line(x, 1, x, height + 1, _color(v, spec[c])))
+    out.append(
+        f'<rect x="1" y="1" width="{width}" height="{height}" fill="none" '
+        'stroke="#80868b"/>'
+    )
+    label = " × ".join(
+        _dim_label(shape[d], spec[d], p)
+        for d, p in ((r, rows), (c, cols))
+        if d is not None
+    )
+    out.append(f'<text x="1" y="{height + 13}" fill="#59636e">{escape(label)}</text>')
+    return "".join(out) + "</svg>"
+
+
+def _line(x1: float, y1: float, x2: float, y2: float, color: str) -> str:
+    return (
+        f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" '
+        f'stroke="{color}" stroke-width="1.2"/>'
+    )
+
+
+def _parts(v: Any, axes: list) -> int:
+    return math.prod(v.sizes.get(a, 1) for a in axes)
+
+
+def _color(v: Any, axes: list) -> str:
+    return v.colors.get(axes[0], "#5f6368") if axes else "#9aa0a6"
+
+
+def _dim_label(size: int, axes: list, parts: int) -> str:
+    """`1024/4 (fsdp·tp)`: a dimension's size, and how many parts of it there are
+    over which axes."""
+    return f"{size}/{parts} ({'·'.join(axes)})" if axes else str(size)
+
+
+def tables(v: Any) -> str:
+    from .html_tables import all_tables
+
+    return all_tables(v)
+
+
+def notes(v: Any) -> str:
+    items = "".join(f"<li>{_e(n)}</li>" for n in v.data.get("notes") or [])
+    return (
+        f'<section class="notes"><h2>Notes</h2><ul>{items}</ul></section>'
+        if items
+        else ""
+    )
+
+
+def footer(v: Any) -> str:
+    import jaxshard
+
+    return (
+        f"<footer>Drawn by jaxshard {_e(jaxshard.__version__)}"
+        + (
+            f" from a snapshot of format {_e(v.data['jaxshard_snapshot'])}"
+            if "jaxshard_snapshot" in v.data
+            else ""
+        )
+        + ". Bytes are per device unless said otherwise.</footer>"
+    )
+
+
+def _count(n: int) -> str:
+    return f"{n} collective{'s' * (n != 1)}"

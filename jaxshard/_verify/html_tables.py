@@ -1,0 +1,109 @@
+"""The full tables of `report.html()`'s page, each with a search box above it and
+sortable by each column (`page.js`): the contracts, the inputs and outputs, and the
+collectives by line of code."""
+
+from html import escape
+from typing import Any
+
+from .html import _b
+
+
+def _e(value: Any) -> str:
+    return escape("" if value is None else str(value))
+
+
+def all_tables(v: Any) -> str:
+    return "\n".join(
+        [
+            _contracts(v),
+            _arrays(v, "inputs", "Inputs"),
+            _arrays(v, "outputs", "Outputs"),
+            _sites(v),
+        ]
+    )
+
+
+def _table(v: Any, name: str, title: str, head: list[str], rows: list[str]) -> str:
+    """A searchable, sortable table; `rows` are `<tr>` elements."""
+    if not rows:
+        return ""
+    table = f"{v.root}-{name}"
+    heads = "".join(f'<th scope="col">{_e(h)}</th>' for h in head)
+    return (
+        f'<section class="table"><div class="tools"><h2>{_e(title)} '
+        f'<span class="muted small" id="{table}-count">{len(rows)}</span></h2>'
+        f'<input type="search" placeholder="Search {_e(title.lower())}" '
+        f'aria-label="Search {_e(title.lower())}" data-filter="{table}"></div>'
+        f'<div class="scroll"><table class="data" id="{table}"><thead><tr>{heads}'
+        f"</tr></thead><tbody>{''.join(rows)}</tbody></table></div></section>"
+    )
+
+
+def _num(n: Any, text: str) -> str:
+    return f'<td class="num" data-sort="{-1 if n is None else n}">{_e(text)}</td>'
+
+
+def _contracts(v: Any) -> str:
+    rows = []
+    for c in v.data.get("contracts", []):
+        ok = c.get("ok", True)
+        verdict = (
+            '<span class="ok">ok</span>' if ok else '<span class="no">VIOLATED</span>'
+        )
+        rows.append(
+            f'<tr class="{"" if ok else "bad"}">'
+            f'<td class="mono">{_e(c.get("function"))}</td>'
+            f'<td class="mono">{_e(c.get("value"))}</td>'
+            f'<td class="mono">{_e(c.get("expected"))}</td>'
+            f'<td class="mono">{_e(c.get("actual"))}</td>'
+            f'<td class="mono">{_e(c.get("type"))}</td><td>{verdict}</td></tr>'
+        )
+    head = ["function", "value", "expected", "actual", "as a JAX type", "verdict"]
+    return _table(v, "contracts", "Contracts", head, rows)
+
+
+def _arrays(v: Any, side: str, title: str) -> str:
+    layouts = v.data.get(side) or {}
+    rows = []
+    for name, a in v.arrays[side].items():
+        spec = a.get("spec")
+        shown = (
+            "not by mesh axes"
+            if spec is None
+            else "P(" + ", ".join(_entry(x) for x in spec) + ")"
+        )
+        rows.append(
+            f'<tr><td class="mono">{_e(name)}</td>'
+            f'<td class="mono">{_e(a["dtype"])}</td>'
+            f'<td class="mono">{_e(a["shape"])}</td><td class="mono">{_e(shown)}</td>'
+            f'<td class="mono">{_e(layouts.get(name, ""))}</td>'
+            + _num(a["bytes"], _b(a["bytes"]))
+            + _num(a["device_bytes"], _b(a["device_bytes"]))
+            + "</tr>"
+        )
+    head = ["path", "dtype", "shape", "spec", "as a JAX type", "bytes", "per device"]
+    return _table(v, side, title, head, rows)
+
+
+def _entry(axes: list) -> str:
+    if not axes:
+        return "None"
+    if len(axes) == 1:
+        return repr(axes[0])
+    return "(" + ", ".join(repr(a) for a in axes) + ")"
+
+
+def _sites(v: Any) -> str:
+    rows = []
+    for s in v.data.get("sites") or []:
+        axes = "unknown" if s["axes"] is None else ", ".join(s["axes"]) or "none"
+        rows.append(
+            f'<tr><td class="mono" title="{_e(s.get("where"))}">{_e(s["line"])}</td>'
+            f'<td class="mono">{_e(s["function"])}</td><td>{_e(s["kind"])}</td>'
+            f"<td>{_e(axes)}</td>"
+            + _num(s["count"], str(s["count"]))
+            + _num(s["bytes"], _b(s["bytes"]))
+            + f'<td class="mono small">{_e(s.get("where"))}</td></tr>'
+        )
+    head = ["line", "function", "kind", "axes", "count", "bytes", "called from"]
+    return _table(v, "sites", "Collectives by line of code", head, rows)

@@ -1,0 +1,124 @@
+"""What a snapshot holds beyond what `snapshot.differences` compares, for the page
+`report.html()` draws from it (`html`): the verdict and each violation with its
+source line, each input's and output's shape, dtype and spec over the mesh's axes
+with its bytes, the collectives grouped by the line of code they came from, the HBM
+of a device and the program's code size and FLOPs, and the snapshot compared with.
+
+None of it is compared: a snapshot written before these keys existed still loads,
+and is drawn with what it has.
+"""
+
+from typing import Any
+
+import numpy as np
+from jax.sharding import NamedSharding
+
+from .._annotations.spec import format_spec
+from .collectives import _relative
+
+
+def view(report: Any) -> dict:
+    """The keys a snapshot adds for its page."""
+    memory = report.memory
+    return {
+        "ok": report.ok,
+        "violations": [_violation(r) for r in report.violations],
+        "layouts": {
+            "inputs": {k: array(v) for k, v in report.inputs.items()},
+            "outputs": {k: array(v) for k, v in report.outputs.items()},
+        },
+        "sites": sites(report.collectives),
+        "program": {
+            "code": None if memory is None else memory["code"],
+            "hbm_bytes": None if memory is None else memory["hbm_bytes"],
+            "flops": report.flops,
+            "fits": report.fits,
+        },
+        "against": report.against,
+        "notes": list(report.notes),
+    }
+
+
+def _violation(row: Any) -> dict:
+    if row.budget is None:
+        kind = "contract"
+    elif (row.name or "").startswith("snapshot: "):
+        kind = "snapshot"
+    else:
+        kind = "budget"
+    return {
+        "kind": kind,
+        "function": row.function or "",
+        "call": row.call,
+        "value": row.name or "",
+        "array": row.array,
+        "annotation": row.annotation,
+        "expected": row.budget[0] if row.budget else format_spec(row.expected),
+        "actual": row.actual_spec,
+        "type": row.actual_type,
+        "reason": row.reason,
+        "source": row.source,
+    }
+
+
+def array(value: Any) -> dict:
+    """An array's shape, dtype, spec (per dimension, the mesh axes splitting it)
+    and bytes, in all and on one device."""
+    shape = [int(d) for d in value.shape]
+    itemsize = np.dtype(value.dtype).itemsize
+    sharding = value.sharding
+    if isinstance(sharding, NamedSharding):
+        spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+        dims = [_axes(entry) for entry in spec]
+    else:
+        dims = None  # not laid out by mesh axes: a GSPMD or single-device sharding
+    try:
+        block = sharding.shard_shape(tuple(shape))
+    except Exception:  # a sharding that cannot say
+        block = shape
+    return {
+        "dtype": str(np.dtype(value.dtype)),
+        "shape": shape,
+        "spec": dims,
+        "bytes": int(np.prod(shape, dtype=np.int64)) * itemsize,
+        "device_bytes": int(np.prod(block, dtype=np.int64)) * itemsize,
+    }
+
+
+def _axes(entry: Any) -> list[str]:
+    if entry is None:
+        return []
+    if isinstance(entry, str):
+        return [entry]
+    return [str(a) for a in entry]
+
+
+def sites(found: Any) -> list[dict]:
+    """The collectives grouped by the line of code they came from, their kind and
+    mesh axes; the most bytes first."""
+    groups: dict[tuple, dict] = {}
+    for c in found:
+        if c.filename is None:
+            line, function = "", c.op_name or "(made by XLA)"
+        else:
+            line, function = f"{_relative(c.filename)}:{c.lineno}", c.function or ""
+        axes = None if c.axes is None else list(c.axes)
+        key = (line, function, c.kind, str(axes))
+        group = groups.setdefault(
+            key,
+            {
+                "line": line,
+                "function": function,
+                "kind": c.kind,
+                "axes": axes,
+                "count": 0,
+                "bytes": 0,
+                "where": c.where,
+            },
+        )
+        group["count"] += 1
+        group["bytes"] += c.bytes
+    return sorted(
+        groups.values(),
+        key=lambda g: (-g["bytes"], g["line"], g["kind"], g["function"]),
+    )
