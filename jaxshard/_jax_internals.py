@@ -59,6 +59,7 @@ Internals still used, and why (none has a public equivalent in these releases):
 
 import contextlib
 import functools as ft
+import inspect
 import os
 import re
 import sys
@@ -396,15 +397,22 @@ _WRAPPER_CODE = ("wrapped_fn_impl", _jaxtyping_decorator.__file__)
 
 
 class FunctionName(str):
-    """`module.qualname`, which also knows its `qualname`."""
+    """`module.qualname`, which also knows its `qualname`, and its `source`: the
+    `(file, line)` where it is defined (`None` when it has no Python code)."""
 
     qualname: str
+    source: tuple[str, int] | None = None
 
 
 def function_name(fn: Any) -> FunctionName:
     qualname = str(getattr(fn, "__qualname__", fn))
     out = FunctionName(f"{getattr(fn, '__module__', '?')}.{qualname}")
     out.qualname = qualname
+    try:
+        code = inspect.unwrap(getattr(fn, "__func__", fn)).__code__
+        out.source = (code.co_filename, code.co_firstlineno)
+    except (AttributeError, ValueError):  # a builtin, a class, a cycle of wrappers
+        pass
     return out
 
 
