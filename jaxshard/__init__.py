@@ -125,8 +125,15 @@ from ._errors import (
 )
 from ._jax_internals import TESTED_JAX as TESTED_JAX
 from ._launch.launch import launch as launch, ProcessOutcome as ProcessOutcome
+from ._sharding.constrain import constrain as constrain
 from ._sharding.decorator import jaxtyped as jaxtyped
+from ._sharding.place import device_put as device_put, shardings_of as shardings_of
 from ._sharding.signature import shardings as shardings
+from ._sharding.summary import (
+    ArrayRow as ArrayRow,
+    Summary as Summary,
+    summary as summary,
+)
 from ._sharding.tree import (
     check_partitioning as check_partitioning,
     check_tree as check_tree,
@@ -194,6 +201,7 @@ __all__ = [
     "AnnotationError",
     "Array",
     "ArrayLike",
+    "ArrayRow",
     "axis_rules",
     "BFloat16",
     "Bool",
@@ -210,7 +218,9 @@ __all__ = [
     "Complex128",
     "Complex64",
     "config",
+    "constrain",
     "deferred_checks",
+    "device_put",
     "DTypeLike",
     "Failure",
     "Float",
@@ -261,6 +271,9 @@ __all__ = [
     "sharded",
     "ShardingError",
     "shardings",
+    "shardings_of",
+    "summary",
+    "Summary",
     "TESTED_JAX",
     "tpu_mesh",
     "TypeCheckError",

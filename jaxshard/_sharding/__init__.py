@@ -4,7 +4,9 @@ The dtype classes whose third item is a spec (`array_types`), the verdict on one
 (`layout`: at once on concrete arrays and Explicit axes, by a probe XLA evaluates
 when it compiles on Auto axes), `jaxshard.jaxtyped` (`decorator`), a module's or a
 parameter tree's arrays (`tree`), what a function's annotations say about its inputs
-and outputs (`signature`: `jaxshard.shardings`) and, when many contracts fail at
+and outputs (`signature`: `jaxshard.shardings`), a tree or a value placed as its
+annotations say (`place`: `device_put`, `shardings_of`; `constrain`), what each array
+costs a device (`summary`) and, when many contracts fail at
 once, their likely cause (`diagnosis`).
 
 May import: `jaxshard._annotations` and the modules under it.

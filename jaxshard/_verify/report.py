@@ -19,6 +19,7 @@ from .._sharding.describe import (
     describe_sharding,
     subject,
 )
+from .._sharding.summary import array_row, ArrayRow, largest_first, table
 from . import snapshot as _snapshot
 from .collectives import Collective, collectives, KINDS, summary
 
@@ -124,6 +125,9 @@ class Report:
     - `inputs`, `outputs`: every input and output array of the compiled program, by
         its path (`"params.wq"`, `"return['loss']"`), as a `jax.ShapeDtypeStruct`
         with the sharding XLA gave it.
+    - `arrays`: the inputs as `jaxshard.ArrayRow`s (path, shape, dtype, spec, bytes
+        per device), largest per device first: which arrays dominate each device's
+        memory.
     - `against`: the snapshot it was compared with (`verify(..., against=path)`),
         or `None`.
 
@@ -221,6 +225,13 @@ class Report:
     def collective_bytes(self) -> dict[str, int]:
         return summary(self.collectives)
 
+    @ft.cached_property
+    def arrays(self) -> tuple[ArrayRow, ...]:
+        return largest_first(
+            array_row(path, v.shape, v.dtype, v.sharding)
+            for path, v in self.inputs.items()
+        )
+
     @property
     def violations(self) -> tuple[Row, ...]:
         return tuple(row for row in self.rows if not row.ok)
@@ -250,6 +261,7 @@ class Report:
                 for r in self.rows
             ],
             "inputs": {k: _snapshot.layout(v) for k, v in self.inputs.items()},
+            "arrays": [r.to_dict() for r in self.arrays],
             "outputs": {k: _snapshot.layout(v) for k, v in self.outputs.items()},
             "memory": None if self.memory is None else dict(self.memory),
             "flops": self.flops,
@@ -317,6 +329,7 @@ class Report:
             )
         if self.flops is not None:
             lines.append(f"FLOPs per device: {self.flops:.3g}.")
+        lines += _describe_arrays(self.arrays)
         lines += _describe_collectives(self.collectives)
         lines += self.notes
         return "\n".join(lines)
@@ -333,6 +346,18 @@ def _describe_collectives(found: tuple[Collective, ...]) -> list[str]:
         axes = "" if c.axes is None else f" over {', '.join(c.axes) or '(none)'}"
         lines.append(f"  {c.kind} {_bytes(c.bytes)}{axes} at {c.where}")
     return lines
+
+
+def _describe_arrays(rows: tuple[ArrayRow, ...], shown: int = 5) -> list[str]:
+    """The inputs that take the most memory per device, as a table."""
+    if not rows:
+        return []
+    head = (
+        f"The largest of the {len(rows)} inputs per device"
+        if len(rows) > shown
+        else "The inputs per device"
+    )
+    return [f"{head}:"] + ["  " + line for line in table(rows[:shown])]
 
 
 def tally(violations: tuple[Row, ...], rows: tuple[Row, ...] = ()) -> str:

@@ -1,0 +1,224 @@
+"""`jaxshard.constrain`: `jax.lax.with_sharding_constraint` from an annotation.
+
+`lay_out` is the one way jaxshard puts a value where a spec says, which
+`jaxshard.device_put` shares: eagerly a `jax.device_put`; inside `jit`, on Auto axes
+a `with_sharding_constraint`, on Explicit axes a `jax.sharding.reshard` (where
+`with_sharding_constraint` only asserts the layout the value's type already has:
+jax 0.10.2 to 0.12 raise an `AssertionError` for any other), and on a mesh of both,
+each for its own axes.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import numpy as np
+from jax import Array
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from .._annotations.logical import BY_NAME, L, using
+from .._annotations.spec import axes_of, fill_unconstrained, format_spec
+from .._errors import AnnotationError, expect, ShardingError, TypeCheckError
+from .._jax_internals import ArrayMeta, context_mesh
+from .array_types import partition_spec, Shaped
+from .compare import invalid
+from .describe import describe_array, describe_mesh
+
+
+def constrain(x: Any, annotation: Any, *, mesh: Any = None, rules: Any = None) -> Array:
+    """Lays `x` out as `annotation` says: `jax.lax.with_sharding_constraint` driven
+    by an annotation, checking the shape and dtype too.
+
+    Inside `jax.jit` on Auto axes it is a sharding constraint, as
+    `with_sharding_constraint` (or flax's `nn.with_logical_constraint`) is. On
+    Explicit axes, where `with_sharding_constraint` only asserts the layout the
+    value's type already has, it is `jax.sharding.reshard`: the value's type
+    changes to the annotation's layout. On a mesh of both kinds, each for its own
+    axes. Eagerly it is `jax.device_put`. `P.UNCONSTRAINED` dimensions keep the
+    layout they have (on Auto axes, XLA chooses it).
+
+    **Arguments:**
+
+    - `x`: an array (or a tracer inside `jit`).
+    - `annotation`: a jaxshard annotation, such as an alias
+        `Act = Float[Array, "b s d", L("batch", None, "embed")]` (its shape and dtype
+        are checked, with the dimension sizes bound in the enclosing `jaxtyped`
+        function, if any), or a bare `PartitionSpec` or `jaxshard.L(...)` (only its
+        rank is checked). Logical names are resolved under the rules in force.
+    - `mesh`: the mesh; by default the one in context (`jax.set_mesh`), else the
+        one `x` is laid out on.
+    - `rules`: the axis rules for logical names, as `jaxshard.axis_rules` takes
+        them; by default those in force.
+
+    **Returns:**
+
+    `x`, laid out as the annotation says.
+
+    **Raises:**
+
+    `jaxtyping.TypeCheckError` if `x`'s shape or dtype does not match the
+    annotation; `jaxshard.ShardingError` if the spec cannot lay it out on the mesh
+    (an axis the mesh lacks, a dimension the axes do not divide).
+
+    !!! Example
+
+        ```python
+        Act = Float[Array, "batch seq embed", L("batch", None, "embed")]
+
+        def block(x: Act, w) -> Act:
+            h = jaxshard.constrain(x @ w, Act)  # not jax.lax.with_sharding_constraint
+            ...
+        ```
+    """
+    with using(rules):
+        spec, expected = spec_of(annotation)
+    value = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    if expected is not None:
+        reason = ArrayMeta.__instancecheck_str__(expected, value)
+        if reason:
+            raise TypeCheckError(
+                f"jaxshard.constrain: the value ({_array(value)}) does not match the "
+                f"annotation {expected!r}: {reason}\nConstrain an array of the "
+                "annotated shape and dtype, or use the annotation this value has."
+            )
+    target = find_mesh(mesh, [value], "jaxshard.constrain")
+    reason = unfit(spec, target, value.shape)
+    if reason:
+        raise ShardingError(
+            f"jaxshard.constrain: the value ({_array(value)}) cannot be laid out as "
+            f"annotated: {reason}. Change the annotation's spec (or the rules), or "
+            "the mesh."
+        )
+    return lay_out(value, spec, target)
+
+
+def spec_of(annotation: Any) -> tuple[PartitionSpec, Any]:
+    """The spec an annotation (or a bare `P`/`L`) states under the rules in force,
+    and the annotation to check the value's shape and dtype against (`None`)."""
+    if isinstance(annotation, PartitionSpec):
+        return annotation, None
+    if isinstance(annotation, L):
+        spec = partition_spec(Shaped[Array, "...", annotation])
+        assert spec is not None
+        return spec, None
+    if annotation is BY_NAME:
+        raise AnnotationError(
+            "jaxshard.constrain: BY_NAME takes its logical names from a shape "
+            "string; pass an annotation that has one, e.g. "
+            "`Float[Array, 'batch embed', BY_NAME]`, or `jaxshard.L(...)`."
+        )
+    is_array = isinstance(annotation, type) and issubclass(
+        annotation, jaxtyping.AbstractArray
+    )
+    expect(
+        is_array,
+        "constrain",
+        "annotation",
+        "a jaxshard annotation (`Float[Array, 'b d', P('dp', None)]`), a "
+        "PartitionSpec or a jaxshard.L(...)",
+        annotation,
+    )
+    spec = partition_spec(annotation)
+    if spec is None:
+        raise AnnotationError(
+            f"jaxshard.constrain: the annotation {annotation!r} states no partition "
+            "spec, so it does not say how to lay the value out. Add one as its "
+            "third item: `Float[Array, 'b d', P('dp', None)]`."
+        )
+    return spec, annotation
+
+
+def find_mesh(mesh: Any, values: list, what: str) -> Any:
+    """`mesh`, else the concrete mesh in context, else (inside `jit`) the abstract
+    one, else the mesh the first laid-out value of `values` is on."""
+    function = what.removeprefix("jaxshard.")
+    expect(
+        mesh is None or isinstance(mesh, jax.sharding.Mesh),
+        function,
+        "mesh",
+        "a jax.sharding.Mesh (or None for the one in context)",
+        mesh,
+    )
+    if mesh is not None:
+        return mesh
+    found = context_mesh()
+    if found is not None:
+        return found
+    if any(isinstance(v, jax.core.Tracer) for v in values):
+        abstract = jax.sharding.get_abstract_mesh()
+        if not abstract.empty:
+            return abstract
+    for value in values:
+        sharding = getattr(value, "sharding", None)
+        if isinstance(value, jax.core.Tracer):
+            sharding = jax.typeof(value).sharding
+        if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
+            return sharding.mesh
+    raise ValueError(
+        f"{what} needs a mesh: pass `mesh=...`, or call it inside "
+        "`with jax.set_mesh(mesh):`."
+    )
+
+
+def unfit(spec: PartitionSpec, mesh: Any, shape: tuple[int, ...]) -> str:
+    """Why `spec` cannot lay out an array of `shape` on `mesh` ("" if it can): an
+    axis the mesh lacks, more entries than dimensions, a dimension its axes do not
+    divide (JAX splits a dimension evenly)."""
+    reason = invalid(spec, mesh, len(shape))
+    if reason:
+        return reason
+    sizes = dict(mesh.shape)
+    for dim, (size, entry) in enumerate(zip(shape, spec)):
+        axes = axes_of(entry)
+        parts = int(np.prod([sizes[a] for a in axes])) if axes else 1
+        if size % parts:
+            names = ", ".join(map(repr, axes))
+            return (
+                f"{format_spec(spec)} splits dimension {dim} (of size {size}) over "
+                f"{names} ({parts} devices) on mesh {describe_mesh(mesh)}, which does "
+                "not divide it evenly"
+            )
+    return ""
+
+
+def lay_out(value: Any, spec: PartitionSpec, mesh: Any) -> Any:
+    """`value` laid out as `spec` on `mesh`: eagerly by `jax.device_put`, inside
+    `jit` by `reshard` on Explicit axes and a sharding constraint on Auto axes."""
+    if not isinstance(value, jax.core.Tracer):
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise ValueError(
+                "jaxshard: a concrete array is laid out on a concrete mesh; call it "
+                "inside `with jax.set_mesh(mesh):` or pass `mesh=...`."
+            )
+        sharding = getattr(value, "sharding", None)
+        current = sharding.spec if isinstance(sharding, NamedSharding) else ()
+        filled = fill_unconstrained(spec, current, mesh.shape)
+        return jax.device_put(value, NamedSharding(mesh, filled))
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    explicit = {a for a, t in types.items() if t == AxisType.Explicit}
+    auto = {a for a, t in types.items() if t == AxisType.Auto}
+    if explicit:
+        current = jax.typeof(value).sharding.spec
+        part = fill_unconstrained(_only(spec, explicit), current, mesh.shape)
+        value = jax.sharding.reshard(value, NamedSharding(mesh, part))
+    if auto:
+        part = _only(spec, auto)
+        value = jax.lax.with_sharding_constraint(value, NamedSharding(mesh, part))
+    return value
+
+
+def _only(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
+    """`spec` naming only the mesh axes in `axes` (`P.UNCONSTRAINED` kept)."""
+    entries = []
+    for entry in spec:
+        if entry is PartitionSpec.UNCONSTRAINED:
+            entries.append(entry)
+            continue
+        kept = tuple(a for a in axes_of(entry) if a in axes)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*entries)
+
+
+def _array(value: Any) -> str:
+    return describe_array(value.dtype, value.shape)
