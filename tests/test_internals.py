@@ -435,3 +435,32 @@ def test_in_linen_init():
     jax.eval_shape(Layer().init, jax.random.key(0), jnp.ones((1, 2)))
     Layer().apply(variables, jnp.ones((1, 2)))
     assert seen == [True, True, False] and not internals.in_linen_init()
+
+
+def test_shard_map_outputs_adds_an_output_to_any_shard_map(explicit_mesh):
+    """While in force, every shard_map body traced (here one made before) runs
+    through the hook; what it adds leaves the shard_map with out_spec P() and reaches
+    `done` outside, under jit and eagerly (jitted first). A hook that adds nothing leaves
+    the program as it is, and nothing stays installed, even after an error."""
+    mapped = jax.shard_map(
+        lambda x: x * 2, mesh=explicit_mesh, in_specs=P("dp"), out_specs=P("dp")
+    )
+    x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(explicit_mesh, P("dp")))
+    seen = []
+
+    def counting(body):
+        return body(), {"devices": jax.lax.psum(1, "dp")}, seen.append
+
+    with internals.shard_map_outputs(counting):
+        y, devices = jax.jit(lambda x: (mapped(x), seen[-1]["devices"]))(x)
+        eager = mapped(x)
+    # Eagerly, `done` runs inside the jit the shard_map is run under.
+    assert int(devices) == 4 and len(seen) == 2
+    np.testing.assert_array_equal(y, eager)
+    np.testing.assert_array_equal(eager, np.arange(8.0) * 2)
+    before = str(jax.make_jaxpr(mapped)(x))
+    with pytest.raises(ZeroDivisionError):
+        with internals.shard_map_outputs(lambda body: (body(), None, None)):
+            assert str(jax.make_jaxpr(mapped)(x)) == before
+            1 / 0
+    assert "bind_with_trace" not in vars(internals.shard_map_p)

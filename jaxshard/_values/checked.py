@@ -27,6 +27,12 @@ def checked(fn: Callable) -> Callable:
     `jaxshard.deferred_checks()`) nothing is read: failures accumulate on the device
     until `jaxshard.flush_checks()`. In "off" mode checks are not even traced.
 
+    Checks inside a `shard_map` body (`jax.shard_map`, also one that library code
+    made before `fn` was wrapped, or `jaxshard.shard_map`) report too, with the
+    failing device: while `fn` is traced, each shard_map body whose checks JAX traces
+    returns what they found as an extra output (a shard_map without checks is left
+    as it is; one run eagerly is jitted).
+
     A `jax.jit` function (`checked(jax.jit(f))`) runs as one program that also
     returns what its checks found, dispatched by JAX like any jitted function, with
     `f`'s static and donated arguments kept. For any other `fn`, the checks' state

@@ -65,7 +65,7 @@ def test_concrete_tree(auto_mesh):
         "3.0", "KiB",
     ]  # fmt: skip
     assert lines[-1] == (
-        "Total 8.1 KiB; per device 5.1 KiB, of which 3.1 KiB beyond an even share "
+        "Total 16.1 KiB; per device 5.1 KiB, of which 3.1 KiB beyond an even share "
         "(replicated)."
     )
 
@@ -77,7 +77,7 @@ def test_abstract_tree_placed_as_annotated(auto_mesh):
     rows = {r.path: r for r in check_rows_abstract.rows}
     assert rows["Params.w"].spec == "P('dp', 'tp')"
     assert rows["Params.v"].bytes_per_device == 4 * KiB
-    assert rows["Params.b"].spec == "P()"  # annotated, unsharded: on every device
+    assert rows["Params.b"].spec == "unplaced"  # its annotation states no spec
     # Without a mesh, nothing places the abstract arrays.
     unplaced = jaxshard.summary(abstract)
     assert {r.spec for r in unplaced.rows} == {"unplaced"}
