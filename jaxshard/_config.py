@@ -1,15 +1,19 @@
 """The settings stack: `with jaxshard.config(sharding="off"): ...`, per thread, and
 `jaxshard.config.update(...)` for the process.
 
-The settings live in a `jax.make_user_context`, so they are part of `jax.jit`'s cache
-key: a function traced with checks on is traced again when they are turned off, and
-the other way round.
+What a traced program depends on lives in a `jax.make_user_context`, part of
+`jax.jit`'s cache key: a function traced with checks on is traced again when they are
+turned off, and the other way round. What only the host reads, whether a `checked`
+function reads its checks' findings after each call ("raise") or later ("deferred"),
+lives beside it, per thread too, and is not part of the key: switching between those
+modes compiles nothing.
 """
 
 import contextlib
 import dataclasses
 import functools as ft
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -95,7 +99,11 @@ def _short(value: Any) -> str:
 
 
 class Settings(NamedTuple):
+    """The settings a traced program may depend on: `jax.jit`'s cache key holds them."""
+
     sharding: str
+    # "on" or "off": whether checks are traced. Whether their findings are read at
+    # once or later is for the host alone (`checks_mode`).
     checks: str
     # Set by `jaxshard.verify` while it traces and compiles: checks report to it
     # instead of raising. Part of the jit cache key, so every function is traced anew.
@@ -133,40 +141,76 @@ def _validate(name: str, value: object, source: str) -> str:
     return value  # pyright: ignore[reportReturnType]
 
 
-def _process_defaults() -> Settings:
+def _process_defaults() -> dict[str, str]:
     values = {}
     for name, (env, valid) in _SETTINGS.items():
         value = os.environ.get(env, "").strip().lower() or valid[0]
         values[name] = _validate(name, value, f"`{env}`")
-    return Settings(**values)
+    return values
 
 
-_context = jax.make_user_context(default_value=_process_defaults())
+class _Mode(threading.local):
+    """The checks mode a `checked` function's host side follows, "raise" or
+    "deferred", in this thread (`None`: the process default, `_default_mode`)."""
+
+    value: str | None = None
+
+
+_mode = _Mode()
+_defaults = _process_defaults()
+_default_mode = ["deferred" if _defaults["checks"] == "deferred" else "raise"]
+
+
+def _traced(settings: dict[str, str]) -> dict[str, str]:
+    """`settings` as the jit key holds them: `checks` only on or off."""
+    if "checks" in settings:
+        on = settings["checks"] != "off"
+        settings = {**settings, "checks": "on" if on else "off"}
+    return settings
+
+
+_context = jax.make_user_context(default_value=Settings(**_traced(_defaults)))
 
 
 def current() -> Settings:
-    """The settings in force in this thread."""
+    """The settings in force in this thread that traced programs depend on."""
     return _context.value
+
+
+def checks_mode() -> str:
+    """The `checks` setting in force in this thread: "raise", "deferred" or "off"."""
+    if _context.value.checks == "off":
+        return "off"
+    return _mode.value or _default_mode[0]
+
+
+def _get(name: str) -> Any:
+    return checks_mode() if name == "checks" else getattr(current(), name)
 
 
 class _Scope:
     """What `jaxshard.config(...)` returns: the settings are in force for this thread
     from the call on; `with` (or use as a decorator) puts them back when it ends."""
 
-    def __init__(self, settings: Settings):
-        self._settings = settings
+    def __init__(self, settings: Settings, mode: str | None = None):
+        self._settings, self._mode = settings, mode
         self._context = _context(settings)
         self._context.__enter__()
+        self._previous = _mode.value
+        if mode is not None:
+            _mode.value = mode
 
     def __enter__(self) -> None:
         pass
 
     def __exit__(self, *exc_info) -> None:
+        if self._mode is not None:
+            _mode.value = self._previous
         self._context.__exit__(*exc_info)
 
     def _again(self) -> "_Scope":
         """The same scope, in force anew (for each call of a decorated function)."""
-        return _Scope(self._settings)
+        return _Scope(self._settings, self._mode)
 
     def __call__(self, fn: Callable) -> Callable:
         # As a decorator: not in force now, only while `fn` runs.
@@ -191,8 +235,11 @@ class Config:
     changes the default of every thread, like `jax.config.update`. Each thread starts
     from those defaults, which come from environment variables.
 
-    The settings are part of `jax.jit`'s cache key, so a jitted function called under
-    different settings is traced again.
+    What a traced program depends on (`sharding`, whether checks are on, the axis
+    rules) is part of `jax.jit`'s cache key, so a jitted function called under other
+    such settings is traced again; one called in "deferred" mode after "raise" (or
+    the other way round), or under settings equal to those it was traced under, is
+    not.
 
     jaxtyping's settings (`jaxtyping_disable`, `jaxtyping_remove_typechecker_stack`)
     are reached through the same object, so `jaxshard.config` can stand in for
@@ -223,7 +270,8 @@ class Config:
     """
 
     def __call__(self, **settings: str) -> _Scope:
-        return _Scope(_with(current(), settings, "jaxshard.config({name}=...)"))
+        traced = _with(current(), settings, "jaxshard.config({name}=...)")
+        return _Scope(traced, _host_mode(settings))
 
     def update(self, name: str, value: Any) -> None:
         """Sets the default of setting `name` for every thread (`"sharding"`,
@@ -238,30 +286,40 @@ class Config:
             return
         source = "jaxshard.config.update({name!r}, ...)"
         _context.set_global(_with(_context.get_global(), {name: value}, source))
+        mode = _host_mode({name: value})
+        if mode is not None:
+            _default_mode[0] = mode
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("jaxtyping_"):
             return getattr(jaxtyping.config, name)
         if name in _SETTINGS:
-            return getattr(current(), name)
+            return _get(name)
         raise AttributeError(f"jaxshard.config has no setting {name!r}")
 
     def __repr__(self) -> str:
-        now = current()
         return (
             "jaxshard.config("
-            + ", ".join(f"{name}={getattr(now, name)!r}" for name in _SETTINGS)
+            + ", ".join(f"{name}={_get(name)!r}" for name in _SETTINGS)
             + ")"
         )
 
 
 def _with(base: Settings, settings: dict, source: str) -> Settings:
     return base._replace(
-        **{
-            name: _validate(name, value, source.format(name=name))
-            for name, value in settings.items()
-        }
+        **_traced(
+            {
+                name: _validate(name, value, source.format(name=name))
+                for name, value in settings.items()
+            }
+        )
     )
+
+
+def _host_mode(settings: dict) -> str | None:
+    """The host's checks mode that `settings` (validated) set, if any."""
+    checks = settings.get("checks")
+    return checks if checks in ("raise", "deferred") else None
 
 
 config = Config()

@@ -13,7 +13,7 @@ from typing import Any, get_args, get_origin
 
 import jax
 import jaxtyping
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .._annotations import dims, tensors
 from .._annotations.logical import active_rules, BY_NAME, explain, L, resolve
@@ -41,8 +41,27 @@ class _Shape:
 
 class _MetaShardedArray(ArrayMeta):
     spec: PartitionSpec
+    resolves: bool  # whether `spec` depends on the rules in force
+    _passed: dict  # the layouts known to pass (see `layout.known`)
+    _plain: Any  # the jaxtyping annotation this one adds a spec to
+    _rank: int | None  # its number of dimensions; None if variadic or `resolves`
 
     def __instancecheck_str__(cls, obj: Any) -> str:
+        if type(obj) in layout.CONCRETE:
+            # The common case, as fast as jaxtyping's own check (made by the plain
+            # annotation, which skips `_check_shape` below): a concrete array whose
+            # layout passed before. For a NamedSharding and a spec of fixed rank,
+            # `layout.known` inlined: where jaxtyping's check passes, the array has
+            # the annotation's rank, that of the layout that passed.
+            sharding = obj.sharding
+            if type(sharding) is NamedSharding and cls._rank is not None:
+                if cls._passed.get(sharding) == cls._rank:
+                    plain = ArrayMeta.__instancecheck_str__(cls._plain, obj)
+                    if not plain:
+                        return plain
+                    # A failure: checked in full below, to say all that is wrong.
+            elif layout.known(cls, obj):
+                return ArrayMeta.__instancecheck_str__(cls._plain, obj)
         value = tensors.jax_value(obj)  # a torchax tensor's jax.Array
         if isinstance(value, jax.core.Tracer):
             # Checking a tracer may leave a probe in the program: only once the
@@ -186,10 +205,13 @@ def with_spec(annotation: Any, spec: Any) -> Any:
         f"{annotation.dtype.__name__}[{array_type}, '{annotation.dim_str}', "
         f"{format_spec(spec) if logical is None else repr(spec)}]"
     )
+    namespace = {"resolves": logical is not None, "_passed": {}, "_plain": annotation}
+    fixed = logical is None and not variadic
+    namespace["_rank"] = len(annotation.dims) if fixed else None
     if logical is None:
-        out = _MetaShardedArray(name, (annotation,), {"spec": spec})
+        out = _MetaShardedArray(name, (annotation,), {**namespace, "spec": spec})
     else:
-        namespace = {"logical": logical, "by_name": spec is BY_NAME}
+        namespace.update(logical=logical, by_name=spec is BY_NAME)
         out = _MetaLogicalArray(name, (annotation,), namespace)
     # beartype wants `repr(A | int)` to start with `repr(A)`: only "builtins" gives
     # a class a union repr without a module prefix.

@@ -34,6 +34,54 @@ from .probes import add_probe
 from .sites import make_site, no_mesh_note
 
 
+# --- verdicts known: the eager fast path --------------------------------------------
+#
+# An array's sharding object is usually shared and immutable: once a concrete array
+# with a sharding passed an annotation's check, a later array with the same sharding
+# object (or an equal one) and rank passes too, in the same context. Each sharded
+# annotation keeps the layouts that passed (`_passed`, a few dozen at most); failures
+# are never kept, so a failing call always says why in full.
+
+CONCRETE: set[type] = set()  # the types of concrete jax.Arrays met so far
+_KNOWN = 64  # layouts kept per annotation
+
+
+def _key(annotation, obj: Any) -> Any:
+    """What the verdict on the concrete array `obj` depends on besides its rank: its
+    sharding, and the mesh in context and whether it is committed unless the sharding
+    names its mesh, and for a logical annotation the spec the rules in force give;
+    `None` if the spec cannot be resolved."""
+    sharding = obj.sharding
+    key = (
+        sharding
+        if type(sharding) is NamedSharding
+        else (sharding, context_mesh(), obj.committed)
+    )
+    if annotation.resolves:
+        try:
+            return key, annotation.spec
+        except AnnotationError:
+            return None
+    return key
+
+
+def known(annotation, obj: Any) -> bool:
+    """Whether the concrete array `obj` is known to be laid out as `annotation`
+    says: an array of its rank with its sharding passed before, in this context."""
+    key = _key(annotation, obj)
+    return key is not None and annotation._passed.get(key) == len(obj.shape)
+
+
+def _remember(annotation, obj: Any) -> None:
+    passed = annotation._passed
+    key = _key(annotation, obj)
+    if key is None:
+        return
+    if len(passed) >= _KNOWN:
+        passed.clear()  # a program that makes shardings anew: start again
+    passed[key] = len(obj.shape)
+
+
 # --- the checks ---------------------------------------------------------------------
 
 
@@ -64,6 +112,16 @@ def check(annotation, obj: Any, value: Any) -> str:
             f"has no sharding, but the annotation expects {format_spec(spec)}. Pass a "
             "jax.Array, e.g. `jax.device_put(x, NamedSharding(mesh, spec))`."
         )
+    if named is obj:
+        CONCRETE.add(type(obj))
+    reason = _check_concrete(annotation, obj, spec)
+    if not reason:
+        _remember(annotation, obj)
+    return reason
+
+
+def _check_concrete(annotation, obj: Any, spec: PartitionSpec) -> str:
+    """`check` of the concrete `jax.Array` `obj`."""
     sharding = obj.sharding
     mesh = None
     if not isinstance(sharding, NamedSharding):

@@ -72,7 +72,7 @@ def checked(fn: Callable) -> Callable:
     @ft.wraps(fn)
     def wrapper(*args, **kwargs):
         __tracebackhide__ = True
-        checks = _config.current().checks
+        checks = _config.checks_mode()
         if checks == "off":
             return fn(*args, **kwargs)
         if in_trace():

@@ -1,0 +1,105 @@
+"""The eager fast path: a layout that passed an annotation's check is remembered, and
+every verdict stays what the full check says, whatever changed since."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import Array
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxshard
+from jaxshard import Float
+from jaxshard._sharding import layout
+
+
+def _put(shape, mesh, spec):
+    return jax.device_put(jnp.ones(shape), NamedSharding(mesh, spec))
+
+
+def _reason(annotation, x) -> str:
+    return type(annotation).__instancecheck_str__(annotation, x)
+
+
+def test_a_known_layout_passes_and_others_still_fail(explicit_mesh):
+    X = Float[Array, "b d", P("dp", None)]
+    good = _put((8, 4), explicit_mesh, P("dp", None))
+    bad = _put((8, 4), explicit_mesh, P(None, "tp"))
+    assert isinstance(good, X)
+    assert X._passed  # remembered
+    assert isinstance(good, X)
+    for _ in range(2):  # a failure is never remembered: said in full each time
+        assert "but the annotation expects P('dp', None)" in _reason(X, bad)
+    assert isinstance(_put((8, 4), explicit_mesh, P("dp", None)), X)  # equal sharding
+    # jaxtyping's part is checked on the fast path too, with its full message.
+    assert not isinstance(_put((8, 5, 1), explicit_mesh, P("dp", None)), X)
+    assert "dtype" in _reason(X, good.astype(jnp.int32))
+
+
+def test_shape_failures_after_a_pass_say_everything(explicit_mesh):
+    X = Float[Array, "b 4", P("dp", None)]
+    assert isinstance(_put((8, 4), explicit_mesh, P("dp", None)), X)
+    reason = _reason(X, _put((8, 6), explicit_mesh, P("dp", None)))
+    assert "6 does not equal 4" in reason
+
+
+def test_variadic_rank_is_part_of_the_verdict(explicit_mesh):
+    X = Float[Array, "*b d", P("dp")]
+    assert isinstance(_put((8, 4), explicit_mesh, P("dp", None)), X)
+    assert isinstance(_put((8, 2, 2), explicit_mesh, P("dp", None, None)), X)
+    assert not isinstance(_put((8,), explicit_mesh, P("dp")), Float[Array, "b d"])
+
+
+def test_off_is_not_remembered_as_a_pass(explicit_mesh):
+    X = Float[Array, "b d", P("dp", None)]
+    bad = _put((8, 4), explicit_mesh, P(None, "tp"))
+    with jaxshard.config(sharding="off"):
+        assert isinstance(bad, X)
+    assert not X._passed
+    assert not isinstance(bad, X)
+
+
+def test_logical_verdicts_follow_the_rules(explicit_mesh):
+    X = Float[Array, "batch d", jaxshard.L("batch", None)]
+    x = _put((8, 4), explicit_mesh, P("dp", None))
+    with jaxshard.axis_rules([("batch", "dp")]):
+        assert isinstance(x, X)
+        assert isinstance(x, X)
+    with jaxshard.axis_rules([("batch", "tp")]):
+        assert not isinstance(x, X)
+    with jaxshard.axis_rules([("batch", "dp")]):
+        assert isinstance(x, X)
+    assert "no axis rules are in force" in _reason(X, x)
+
+
+def test_one_device_arrays_follow_the_mesh_in_context(explicit_mesh):
+    X = Float[Array, "b d", P("dp", None)]
+    x = jnp.ones((8, 4))  # uncommitted, on one device
+    assert isinstance(x, X)  # no mesh: code for a pod, run on one device
+    assert isinstance(x, X)
+    with jax.set_mesh(explicit_mesh):
+        assert "uncommitted" in _reason(X, x)
+    assert isinstance(x, X)
+
+
+def test_the_known_layouts_are_bounded(explicit_mesh):
+    X = Float[Array, "b d", P()]
+    devices = explicit_mesh.devices.ravel()
+    for i in range(3 * layout._KNOWN):
+        mesh = jax.make_mesh((1,), ("dp",), devices=[devices[i % 8]])
+        shape = (1 + i // 8, 4)  # a new sharding object each time
+        x = jax.device_put(jnp.ones(shape), NamedSharding(mesh, P()))
+        assert isinstance(x, X)
+    assert len(X._passed) <= layout._KNOWN
+
+
+@pytest.mark.parametrize("jaxtyped", [jaxshard.jaxtyped])
+def test_decorated_calls_fail_after_passing_ones(explicit_mesh, jaxtyped):
+    @jaxtyped
+    def f(x: Float[Array, "b d", P("dp", None)]) -> Float[Array, "b d"]:
+        return x
+
+    good = _put((8, 4), explicit_mesh, P("dp", None))
+    for _ in range(3):
+        f(good)
+    with pytest.raises(jaxshard.ShardingError, match="sharded as P\\(None, 'tp'\\)"):
+        f(_put((8, 4), explicit_mesh, P(None, "tp")))
