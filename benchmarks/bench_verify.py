@@ -38,7 +38,7 @@ Run: `python benchmarks/bench_verify.py` (needs libtpu: `pip install 'jaxshard[t
 `--quick` for a smoke test.
 
 docs/performance.md gives the figures this script prints
-(its section "What verify costs").
+(its sections "What verify costs" and "The report page").
 """
 
 import gc
@@ -175,6 +175,7 @@ def compare_linen(mesh, rounds: int):
             report = jaxshard.verify(checked_forward, mesh=mesh, values=values)
         programs["checked"] = report.compiled
         programs["rows"] = len(report.rows)
+        programs["report"] = report
 
     def plain():
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
@@ -184,7 +185,12 @@ def compare_linen(mesh, rounds: int):
     a, b = side_by_side(lambda: timed(verify), lambda: timed(plain), rounds=rounds)
     ops = {k: hlo_ops(programs[k].as_text()) for k in ("checked", "plain")}
     extra = ops["checked"] - ops["plain"]
-    return a, b, sum(extra.values()), sum(ops["plain"].values()), programs["rows"]
+    report = programs["report"]
+    page = (
+        f"its report page (report.html()): {len(report.html().encode()) / 1024:.0f} "
+        f"KiB, of {len(report.collectives)} collectives and {len(report.inputs)} inputs"
+    )
+    return a, b, sum(extra.values()), sum(ops["plain"].values()), programs["rows"], page
 
 
 # --- measuring ----------------------------------------------------------------------
@@ -299,7 +305,9 @@ def main() -> int:
     # lm1b's size: a flax linen decoder (tests/decoders.py), its forward verified
     # from its parameters' own metadata under its logical rules.
     lm1b_mesh = jaxshard.tpu_mesh(TOPOLOGY, LM1B_AXES, axis_types="auto")
-    a, b, extra, total, contracts = compare_linen(lm1b_mesh, rounds=ROUNDS["linen"])
+    a, b, extra, total, contracts, page = compare_linen(
+        lm1b_mesh, rounds=ROUNDS["linen"]
+    )
     rows.append(
         (
             f"linen decoder, {LM1B['LAYERS']} layers, embed {LM1B['EMBED']}",
@@ -322,6 +330,7 @@ def main() -> int:
         f"({seconds:.0f} s; wall-clock times, medians over rounds; ratios paired "
         "within rounds, of wall-clock and of CPU time)"
     )
+    print(f"The linen decoder's {page}.")
     return 0
 
 

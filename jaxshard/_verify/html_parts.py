@@ -184,8 +184,7 @@ def collectives(v: Any) -> str:
         f'<td class="num">×{s["count"]}</td><td class="num">{_b(s["bytes"])}</td>'
         f'<td><div class="meter"><span style="width:'
         f'{100 * (s["bytes"] or 0) / most:.1f}%"></span></div></td>'
-        f'<td title="{_e(s.get("where"))}"><code class="source">{_e(s["line"])}</code>'
-        f' <span class="muted">{_e(s["function"])}</span></td></tr>'
+        f'<td title="{_e(s.get("where"))}">{_where(s)}</td></tr>'
         for s in sites[:SHOWN_SITES]
     )
     total = sum(s["bytes"] or 0 for s in sites)
@@ -195,6 +194,15 @@ def collectives(v: Any) -> str:
         "Collectives by line of code, most bytes first",
         f'<table class="sites" id="top-lines">{rows}</table><p class="muted small">'
         f"{_count(sum(s['count'] for s in sites))}, {_b(total)} per device{tail}.</p>",
+    )
+
+
+def _where(site: dict) -> str:
+    if not site["line"]:  # made for an input, or by XLA: JAX's name for it
+        return f'<code class="small">{_e(site["function"])}</code>'
+    return (
+        f'<code class="source">{_e(site["line"])}</code> '
+        f'<span class="muted">{_e(site["function"])}</span>'
     )
 
 
@@ -213,6 +221,7 @@ def changes(v: Any) -> str:
         return _panel(
             "Since the snapshot",
             f'<p class="ok">Nothing changed since <code>{_e(against)}</code>.</p>',
+            wide=True,
         )
     rows = "".join(
         f"<tr><td><strong>{_e(x['value'].removeprefix('snapshot: '))}</strong></td>"
@@ -221,10 +230,11 @@ def changes(v: Any) -> str:
         for x in found
     )
     head = f"Compared with <code>{_e(against)}</code>: " if against else ""
+    n = f"{len(found)} difference{'s' * (len(found) > 1)}"
     return _panel(
         "Since the snapshot",
-        f'<p class="small">{head}{len(found)} difference{"s" * (len(found) > 1)}.</p>'
-        f'<table class="diff" id="diff">{rows}</table>',
+        f'<p class="small">{head}{n}.</p><table class="diff" id="diff">{rows}</table>',
+        wide=True,
     )
 
 
@@ -302,22 +312,18 @@ def diagram(v: Any, shape: list, spec: list | None) -> str:
         f'<svg width="{width + 2}" height="{height + 16}" role="img">',
         f'<rect x="1" y="1" width="{width}" height="{height}" fill="#eef1f4"/>',
     ]
-    fill = _color(v, spec[r] if r is not None and rows > 1 else spec[c] if c else [])
     nr, nc = min(rows, 16), min(cols, 16)
     w, h = width / nc, height / nr
-    for i in range(nr) if rows * cols > 1 else ():
-        for j in range(nc):
-            shade = 0.14 if (i + j) % 2 == 0 else 0.3
-            out.append(
-                f'<rect x="{1 + j * w:.1f}" y="{1 + i * h:.1f}" width="{w:.1f}" '
-                f'height="{h:.1f}" fill="{fill}" fill-opacity="{shade}"/>'
-            )
-    for i in range(1, nr):  # the cuts between rows, in their axes' colour
-        y = 1 + i * h
-        out.append(_line(1, y, width + 1, y, _color(v, spec[r])))
+    # Alternate bands of each split dimension, see-through: where they cross, a
+    # chequer of the parts (a few elements, not one per part).
+    for i in range(0, nr, 2) if nr > 1 else ():
+        out.append(_band(1, 1 + i * h, width, h, _color(v, spec[r])))
+    for j in range(0, nc, 2) if nc > 1 else ():
+        out.append(_band(1 + j * w, 1, w, height, _color(v, spec[c])))
+    for i in range(1, nr):  # the cuts between parts, in their axes' colour
+        out.append(_line(1, 1 + i * h, width + 1, 1 + i * h, _color(v, spec[r])))
     for j in range(1, nc):
-        x = 1 + j * w
-        out.append(_line(x, 1, x, height + 1, _color(v, spec[c])))
+        out.append(_line(1 + j * w, 1, 1 + j * w, height + 1, _color(v, spec[c])))
     out.append(
         f'<rect x="1" y="1" width="{width}" height="{height}" fill="none" '
         'stroke="#80868b"/>'
@@ -329,6 +335,13 @@ def diagram(v: Any, shape: list, spec: list | None) -> str:
     )
     out.append(f'<text x="1" y="{height + 13}" fill="#59636e">{escape(label)}</text>')
     return "".join(out) + "</svg>"
+
+
+def _band(x: float, y: float, w: float, h: float, color: str) -> str:
+    return (
+        f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" '
+        f'fill="{color}" fill-opacity=".22"/>'
+    )
 
 
 def _line(x1: float, y1: float, x2: float, y2: float, color: str) -> str:

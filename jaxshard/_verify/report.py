@@ -175,8 +175,9 @@ class Report:
         """Writes the report's golden snapshot to `path` (JSON): every input's and
         output's layout, every contract's verdict, the collectives per kind and the
         memory per device, sorted, with nothing that changes between runs (no
-        times, addresses or line numbers). Commit it, and check later reports
-        against it with `verify(..., against=path)`."""
+        times or addresses); and what `html()` draws (the violations, the
+        collectives by line of code), which is not compared. Commit it, and check
+        later reports against it with `verify(..., against=path)`."""
         _snapshot.save(self, path)
 
     def compare(
