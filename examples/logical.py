@@ -83,22 +83,17 @@ Hidden = Float[
 ]
 
 
-def constrain(x: Array, annotation) -> Array:
-    """MaxText's `nn.with_logical_constraint`, from the annotation: its spec is
-    resolved under the rules in force when the block is traced."""
-    return jax.lax.with_sharding_constraint(x, jaxshard.partition_spec(annotation))
-
-
 @jaxshard.jaxtyped(typechecker=beartype)
 def attention(
     x: X,
     wq: Float[Array, "embed heads kv", BY_NAME],
     wo: Float[Array, "heads kv embed", BY_NAME],
 ) -> X:
-    q = constrain(jnp.einsum("bsd,dhk->bshk", x, wq), Heads)
+    q = jaxshard.constrain(jnp.einsum("bsd,dhk->bshk", x, wq), Heads)
     scores = jnp.einsum("bqhk,bshk->bhqs", q, q) / jnp.sqrt(q.shape[-1])
-    heads = constrain(jnp.einsum("bhqs,bshk->bqhk", jax.nn.softmax(scores), q), Heads)
-    return constrain(x + jnp.einsum("bshk,hkd->bsd", heads, wo), X)
+    heads = jnp.einsum("bhqs,bshk->bqhk", jax.nn.softmax(scores), q)
+    heads = jaxshard.constrain(heads, Heads)
+    return jaxshard.constrain(x + jnp.einsum("bshk,hkd->bsd", heads, wo), X)
 
 
 @jaxshard.jaxtyped(typechecker=beartype)
@@ -108,7 +103,7 @@ def mlp(
     wo: Float[Array, "mlp embed", BY_NAME],
 ) -> X:
     h = hidden(jax.nn.gelu(jnp.einsum("bsd,dm->bsm", x, wi)))
-    return constrain(x + jnp.einsum("bsm,md->bsd", h, wo), X)
+    return jaxshard.constrain(x + jnp.einsum("bsm,md->bsd", h, wo), X)
 
 
 @jaxshard.jaxtyped(typechecker=beartype)

@@ -102,7 +102,7 @@ def table(rows: Iterable[ArrayRow]) -> list[str]:
         cells.append(
             (
                 r.path,
-                "(" + ", ".join(map(str, r.shape)) + ")",
+                str(r.shape),
                 r.dtype,
                 r.spec,
                 describe_bytes(r.bytes_per_device),
