@@ -4,7 +4,8 @@
 the findings live, and who reads them, is in `records`."""
 
 import functools as ft
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any, overload
 
 from .. import _config
 from .._annotations import tensors
@@ -12,11 +13,24 @@ from .._errors import expect_callable, ShardingError
 from .._jax_internals import in_trace, jit_parameters
 from .._sharding import diagnosis
 from .frames import _compiled, recording_into
+from .inputs import with_input_checks
 from .records import _generation, deferred_scopes, Scope
 from .sites import CheckError
 
 
-def checked(fn: Callable) -> Callable:
+@overload
+def checked(
+    fn: Callable, *, inputs_finite: bool | Sequence[str] = False
+) -> Callable: ...
+
+
+@overload
+def checked(
+    fn: None = None, *, inputs_finite: bool | Sequence[str] = False
+) -> Callable[[Callable], Callable]: ...
+
+
+def checked(fn: Any = None, *, inputs_finite: Any = False) -> Any:
     """Turns the `jaxshard.check`s made while running `fn` into error flags.
 
     Each check made while `fn` runs (inside `jax.jit`, `vmap`, loops, `grad`, ...)
@@ -45,9 +59,16 @@ def checked(fn: Callable) -> Callable:
 
     **Arguments:**
 
-    - `fn`: any function, jitted or not; `checked(jax.jit(f))` and
-        `jax.jit(checked(f))`'s inner use both work. The wrapper itself must be called
-        outside `jax.jit`.
+    - `fn`: any function, jitted or not. Put the jit inside: `checked(jax.jit(f))`.
+        The checked function itself must be called outside `jax.jit`:
+        `jax.jit(checked(f))` raises a `RuntimeError` when it is traced.
+    - `inputs_finite`: `True` (every parameter) or a list of parameter names: their
+        floating-point inputs are checked for NaN and infinity as the call starts
+        (`check_finite`, in the same program). A report whose inputs failed names
+        them as the origin in its first line ("the input 'batch' was not finite
+        (origin); 9 checks after it failed and may follow from it") and lists them
+        first: a bad batch, not a NaN loss and its gradients. Each such `Failure`
+        has the parameter as its `origin`.
 
     **Returns:**
 
@@ -56,7 +77,7 @@ def checked(fn: Callable) -> Callable:
     !!! Example
 
         ```python
-        @jaxshard.checked
+        @jaxshard.checked(inputs_finite=["batch"])
         @jax.jit
         def step(params, batch):
             loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -64,10 +85,13 @@ def checked(fn: Callable) -> Callable:
             return update(params, grads)
         ```
     """
+    if fn is None:  # `@jaxshard.checked(inputs_finite=...)`
+        return ft.partial(checked, inputs_finite=inputs_finite)
     expect_callable("checked", fn)
     named = tensors.compiled_function(fn) or fn  # torchax.compile(f): f
     scope = Scope(getattr(named, "__qualname__", repr(named)))
-    compiled = _compiled(fn)
+    run = with_input_checks(fn, inputs_finite, scope.name)
+    compiled = _compiled(run)
 
     @ft.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -88,7 +112,7 @@ def checked(fn: Callable) -> Callable:
                 return scope.run_compiled(compiled, checks, args, kwargs)
             scope.begin_call(args, kwargs)
             with recording_into(scope):
-                out = fn(*args, **kwargs)
+                out = run(*args, **kwargs)
         except ValueError as e:
             if not diagnosis.is_jit_mismatch(e):
                 raise

@@ -1,7 +1,10 @@
 """What a failed value check says: `CheckError`, its `Failure`s, and the `Site` of each
 check in a trace, which turns the check's state into a `Failure`."""
 
+import contextlib
 import dataclasses
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -30,10 +33,35 @@ class CheckError(Exception):
     """
 
     def __init__(self, failures: list["Failure"], *, when: str = ""):
+        # The inputs' checks (`checked(..., inputs_finite=True)`) first: what failed
+        # at the start of the call is the likely origin of what failed after it.
+        origins = [f for f in failures if f.origin is not None]
+        failures = origins + [f for f in failures if f.origin is None]
         self.failures = failures
         count = len(failures)
         head = f"{count} check{'s' if count > 1 else ''} failed{when}:"
+        if origins:
+            head = _origin_head(origins, count - len(origins), when)
         super().__init__("\n".join([head, *(f"- {f}" for f in failures)]))
+
+
+def _origin_head(origins: list["Failure"], after: int, when: str) -> str:
+    """The first line of a report whose inputs were not finite: they are named as
+    the origin, and the failures after them as what may follow from them."""
+    names = list(dict.fromkeys(f.origin for f in origins))
+    shown = ", ".join(map(repr, names))
+    head = (
+        f"the input {shown} was not finite (origin){when}"
+        if len(names) == 1
+        else f"the inputs {shown} were not finite (origin){when}"
+    )
+    if after:
+        it = "it" if len(names) == 1 else "them"
+        head += (
+            f"; {after} check{'s' if after > 1 else ''} after {it} failed and may "
+            f"follow from {it}"
+        )
+    return head + ":"
 
 
 CheckError.__module__ = "jaxshard"
@@ -63,6 +91,9 @@ class Failure:
         counted from 0 at the start of `deferred_checks()` or the last flush.
     - `calls`: in deferred mode, on how many calls the check failed.
     - `values`: the values the message was formatted with.
+    - `origin`: for a check of an input that `checked(fn, inputs_finite=...)` makes
+        before `fn` runs, the parameter checked (the likely origin of the failures
+        after it, which a report lists it before); else `None`.
     """
 
     message: str
@@ -77,6 +108,7 @@ class Failure:
     call: int | None = None
     values: dict[str, Any] = dataclasses.field(default_factory=dict)
     calls: int | None = None
+    origin: str | None = dataclasses.field(default_factory=lambda: _origin.name)
 
     def __str__(self):
         where = []
@@ -106,6 +138,24 @@ class Failure:
 # --- sites ----------------------------------------------------------------------------
 
 
+class _Origin(threading.local):
+    name: str | None = None
+
+
+_origin = _Origin()
+
+
+@contextlib.contextmanager
+def checking_input(name: str) -> Iterator[None]:
+    """The checks made (and eager failures raised) inside are of the input `name`:
+    their sites and failures have it as their `origin`."""
+    before, _origin.name = _origin.name, name
+    try:
+        yield
+    finally:
+        _origin.name = before
+
+
 @dataclasses.dataclass(eq=False)
 class Site:
     """One `check` call in one trace, and its state on the device."""
@@ -120,6 +170,9 @@ class Site:
     dtypes: tuple = ()  # of the values
     state: "State | None" = None  # shared with the other sites of its `check` call
     row: int = 0  # in the state
+    # The parameter, for the check of an input (`inputs_finite`), made inside
+    # `checking_input`.
+    origin: str | None = dataclasses.field(default_factory=lambda: _origin.name)
 
     @property
     def words(self) -> int:
@@ -155,6 +208,7 @@ class Site:
             call=int(state[CALL]) if deferred else None,
             values=values_at,
             calls=int(state[CALLS]) if deferred else None,
+            origin=self.origin,
         )
 
 
