@@ -165,7 +165,9 @@ class _Frames:
 _LIBRARIES = tuple(
     os.path.abspath(p) + os.sep
     for p in {*(sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib"))}
-) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+    # jaxshard itself, all of it (an editable install is under no library path): its
+    # wrappers are no line of the user's code.
+) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
 
 
 def _is_user_code(filename: str) -> bool:

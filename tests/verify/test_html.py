@@ -101,6 +101,8 @@ def test_the_snapshot_holds_what_the_page_draws(reports):
     (site,) = [s for s in data["sites"] if s["kind"] == "all-reduce"]
     assert site["line"].endswith(ALL_REDUCE) and site["axes"] == ["tp"]
     assert site["function"] == "forward" and site["count"] == 1 and site["bytes"] > 0
+    # The calls that led there are the user's: none of jaxshard's wrappers.
+    assert "_with_notes" not in site["where"] and "_sharding" not in site["where"]
     bad = snapshot.snapshot(reports["failing"])
     kinds = [v["kind"] for v in bad["violations"]]
     assert kinds[:4] == ["contract"] * 3 + ["budget"] and len(kinds) > 4
