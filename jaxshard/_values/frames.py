@@ -341,6 +341,7 @@ class ShardMapFrame(Frame):
     def forward(self, packed: tuple[Any, Any]) -> None:
         """Records, outside the shard_map, what its body found (its `packed()`)."""
         scope = _config.current().check_scope
+        enclosing = _frames.stack[-1] if _frames.stack else None
         once, states = packed
         at = {id(site): i for i, (site, _) in enumerate(self.once)}
         deeper = {id(s): i for i, s in enumerate(s for g in self.groups for s in g)}
@@ -363,7 +364,9 @@ class ShardMapFrame(Frame):
                         [state[STATE_SIZE + w] for w in words],
                     )
                 )
-            if scope is None:
+            if enclosing is not None:  # inside another shard_map's body
+                enclosing.add(outer, rows)
+            elif scope is None:
                 for site, row in zip(outer, rows):
                     _fallback(site, row)
             elif isinstance(scope, Frame):

@@ -186,6 +186,27 @@ def test_partly_manual_shard_map(explicit_mesh):
     assert found.message == "big 50.0" and found.device == {"dp": 1}
 
 
+def test_shard_map_inside_a_shard_map(auto_mesh):
+    """The inner body's findings leave through the outer shard_map's output."""
+
+    def outer(x):
+        inner = jax.shard_map(
+            _over_50,
+            mesh=jax.sharding.get_abstract_mesh(),
+            in_specs=P("tp"),
+            out_specs=P("tp"),
+            axis_names={"tp"},
+        )
+        return inner(x)
+
+    mapped = jax.shard_map(
+        outer, mesh=auto_mesh, in_specs=P("dp"), out_specs=P("dp"), axis_names={"dp"}
+    )
+    x = put(jnp.arange(8.0), auto_mesh, P("dp"))
+    (found,) = failures(jaxshard.checked(jax.jit(mapped)), x + 48)
+    assert found.message == "big 50.0" and found.device == {"dp": 1, "tp": 0}
+
+
 def test_deferred_mode_names_the_call(mesh):
     mapped = _made("function", mesh)
     x = put(jnp.arange(8.0), mesh, P("dp"))
