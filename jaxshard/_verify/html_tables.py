@@ -64,6 +64,8 @@ def _contracts(v: Any) -> str:
 
 def _arrays(v: Any, side: str, title: str) -> str:
     layouts = v.data.get(side) or {}
+    # The inputs' bytes beyond an even share over the devices (`report.arrays`).
+    beyond = any("replicated_bytes" in a for a in v.arrays[side].values())
     rows = []
     for name, a in v.arrays[side].items():
         spec = a.get("spec")
@@ -79,9 +81,15 @@ def _arrays(v: Any, side: str, title: str) -> str:
             f'<td class="mono">{_e(layouts.get(name, ""))}</td>'
             + _num(a["bytes"], _b(a["bytes"]))
             + _num(a["device_bytes"], _b(a["device_bytes"]))
+            + (
+                _num(a.get("replicated_bytes"), _b(a.get("replicated_bytes")))
+                if beyond
+                else ""
+            )
             + "</tr>"
         )
     head = ["path", "dtype", "shape", "spec", "as a JAX type", "bytes", "per device"]
+    head += ["beyond an even share"] if beyond else []
     return _table(v, side, title, head, rows)
 
 

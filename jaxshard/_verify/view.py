@@ -1,8 +1,9 @@
 """What a snapshot holds beyond what `snapshot.differences` compares, for the page
 `report.html()` draws from it (`html`): the verdict and each violation with its
 source line, each input's and output's shape, dtype and spec over the mesh's axes
-with its bytes, the collectives grouped by the line of code they came from, the HBM
-of a device and the program's code size and FLOPs, and the snapshot compared with.
+with its bytes (an input's also beyond an even share over the devices), the
+collectives grouped by the line of code they came from, the HBM of a device and the
+program's code size and FLOPs, and the snapshot compared with.
 
 None of it is compared: a snapshot written before these keys existed still loads,
 and is drawn with what it has.
@@ -20,11 +21,17 @@ from .collectives import _relative
 def view(report: Any) -> dict:
     """The keys a snapshot adds for its page."""
     memory = report.memory
+    # What each device holds of an input beyond an even share over the devices, as
+    # `report.arrays` (`jaxshard.summary`'s rows) says: what splitting it would free.
+    beyond = {row.path: row.bytes_replicated for row in getattr(report, "arrays", ())}
     return {
         "ok": report.ok,
         "violations": [_violation(r) for r in report.violations],
         "layouts": {
-            "inputs": {k: array(v) for k, v in report.inputs.items()},
+            "inputs": {
+                k: {**array(v), "replicated_bytes": beyond.get(k)}
+                for k, v in report.inputs.items()
+            },
             "outputs": {k: array(v) for k, v in report.outputs.items()},
         },
         "sites": sites(report.collectives),

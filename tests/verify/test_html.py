@@ -96,6 +96,8 @@ def test_the_snapshot_holds_what_the_page_draws(reports):
         "spec": [["dp"], []],
         "bytes": 64 * 256 * 4,
         "device_bytes": 32 * 256 * 4,
+        # report.arrays: a copy on each tp device, twice an even share of 4 devices
+        "replicated_bytes": 32 * 256 * 4 - 64 * 256 * 4 // 4,
     }
     assert data["program"]["hbm_bytes"] == 16 * GiB and data["program"]["fits"]
     (site,) = [s for s in data["sites"] if s["kind"] == "all-reduce"]
@@ -206,6 +208,7 @@ def test_an_old_snapshot_is_drawn_from_its_layouts(reports):
     page = html.page(old)
     assert "1 of 7 sharding contracts violated" in page
     assert "32.0 KiB per device of 64.0 KiB" in page  # x: float32[64@dp,256]
+    assert "beyond an even share" not in page  # not in that snapshot
     assert "P(None, &#x27;tp&#x27;)" in page  # w1's spec, from float32[256,1024@tp]
     assert html._from_layout("bfloat16[16@(dp,tp),4]", {"dp": 2, "tp": 2}) == {
         "dtype": "bfloat16",
@@ -327,6 +330,8 @@ def test_a_failing_report_in_a_browser(open_page, reports):
     assert rows(tab, "inputs")[-1] == "x"
     tab.locator("table[id$='-inputs'] th", has_text="path").click()
     assert rows(tab, "inputs") == ["w1", "w2", "x"]
+    tab.locator("table[id$='-inputs'] th", has_text="beyond an even share").click()
+    assert rows(tab, "inputs")[0] == "x"  # 16 KiB; w1 and w2 hold 256 KiB more
     # Search: the rows holding every word typed.
     search = tab.locator("input[data-filter$='-contracts']")
     search.fill("bad_layer return")
