@@ -731,12 +731,13 @@ def varying_axes(x) -> set[str]:
 # (`pe.DynamicJaxprTrace`: under `jit`, `scan`, remat), `shard_map_outputs` runs it
 # through a hook that may add outputs. Eagerly, the shard_map is jitted first (eager
 # shard_map refuses the Refs in a body with deeper checks). FlatTree is in `tree_util`
-# on jax 0.10.2, in `flattree` from 0.11 (checked on 0.11.2 and 0.12.0.1).
-if jax.__version_info__ >= (0, 11):
+# on jax 0.10.2, in `flattree` from 0.11 (checked on 0.11.2 and 0.12.0.1): found by
+# import, not by version, as jax's version number does not say which 0.11 moved it.
+try:
     from jax._src import flattree as _flattree
 
     _flatten, _pack = _flattree.flatten, _flattree.pack
-else:
+except ImportError:  # jax 0.10.2
     from jax._src.tree_util import FlatTree as _FlatTree
 
     _flatten, _pack = _FlatTree.flatten, _FlatTree.pack
