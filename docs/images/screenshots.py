@@ -1,7 +1,7 @@
-"""Takes the report page's screenshots in docs/images/ (see docs/how-to/verify-for-a-pod.md):
-the transformer of examples/transformer.py verified for a 256-chip TPU v5e pod, as it
-holds (against its committed snapshot) and with its mis-annotated block and a budget of
-bytes moved it exceeds.
+"""Takes the report page's screenshots in docs/images/ (docs/how-to/verify-for-a-pod.md
+shows them): the transformer of examples/transformer.py verified for a 256-chip TPU
+v5e pod, as it holds (against its committed snapshot), and its mis-annotated block
+with a budget of bytes moved that it exceeds.
 
 Run: `python docs/images/screenshots.py` from the repository's root (needs libtpu,
 playwright and Debian's chromium: `apt-get install chromium`).
