@@ -1,6 +1,7 @@
 """The documentation's code runs: every Python block that is a complete program (it
-starts with its imports) runs on its own, on 8 simulated CPU devices, with the
-repository's root as the working directory (for `examples.transformer`). Blocks that
+starts with its imports) runs on its own, on 8 simulated CPU devices, as a user's
+would: in an empty directory, with jaxshard installed and nothing of this repository
+on the path (no `examples/` or `tests/` module to import). Blocks that
 show a fragment of a larger program (a call, a decorated function) do not start with
 imports and are not run. A complete program that cannot run here says why in a
 `<!-- not run: REASON -->` line before it.
@@ -55,10 +56,9 @@ def test_block_runs(page, line, code, tmp_path):
     script.write_text(code)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     run = subprocess.run(
         [sys.executable, str(script)],
-        cwd=ROOT,
+        cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
