@@ -32,11 +32,15 @@ def dimension_conflict(fn: Callable, args: tuple, kwargs: dict, message: str) ->
     'd' is 16 from parameter 'x' (shape (8, 16)) but 17 in parameter 'y' (shape
     (8, 17))"; "" if there is none, or the annotations cannot be read."""
     try:
-        sig = inspect.signature(fn)
-        hints = typing.get_type_hints(fn, include_extras=True)
-        arguments = sig.bind(*args, **kwargs).arguments
-    except Exception:  # unresolvable annotations, or arguments that do not bind
-        return ""
+        return _dimension_conflict(fn, args, kwargs, message)
+    except Exception:  # never in place of the user's error: unresolvable annotations,
+        return ""  # arguments that do not bind, a type whose fields cannot be read
+
+
+def _dimension_conflict(fn: Callable, args: tuple, kwargs: dict, message: str) -> str:
+    sig = inspect.signature(fn)
+    hints = typing.get_type_hints(fn, include_extras=True)
+    arguments = sig.bind(*args, **kwargs).arguments
     bound: dict[str, tuple[int, str, tuple]] = {}
     conflict = ""
     for name, value in arguments.items():
@@ -83,21 +87,24 @@ def _arrays(annotation: Any, value: Any, where: str) -> Iterator[tuple]:
             for i, (a, v) in enumerate(zip(members, value)):
                 yield from _arrays(a, v, f"{where}[{i}]")
         return
-    if isinstance(annotation, type) and isinstance(value, annotation):
-        fields: list[str] = []
-        if issubclass(annotation, tuple) and hasattr(annotation, "_fields"):
-            fields = list(annotation._fields)
-        elif dataclasses.is_dataclass(annotation):
-            fields = [f.name for f in dataclasses.fields(annotation)]
-        if fields:
-            try:
-                hints = typing.get_type_hints(annotation, include_extras=True)
-            except Exception:
-                return
-            for field in fields:
-                yield from _arrays(
-                    hints.get(field), getattr(value, field, None), f"{where}.{field}"
-                )
+    if not isinstance(annotation, type) or isinstance(
+        annotation, type(jaxtyping.PyTree)
+    ):
+        return  # `PyTree[...]`, whose `isinstance` would check (and bind) its leaves
+    fields: list[str] = []
+    if issubclass(annotation, tuple) and hasattr(annotation, "_fields"):
+        fields = list(annotation._fields)
+    elif dataclasses.is_dataclass(annotation):
+        fields = [f.name for f in dataclasses.fields(annotation)]
+    if fields and isinstance(value, annotation):
+        try:
+            hints = typing.get_type_hints(annotation, include_extras=True)
+        except Exception:
+            return
+        for field in fields:
+            yield from _arrays(
+                hints.get(field), getattr(value, field, None), f"{where}.{field}"
+            )
 
 
 def _bind(annotation: Any, shape: tuple, where: str, bound: dict) -> str:
@@ -201,9 +208,13 @@ def cut_dumps(message: str, fn: Callable, args: tuple, kwargs: dict) -> str:
     """jaxtyping's `message` with its dumps of the arguments (`Called with
     parameters:`) and of the failing value (`Actual value:`) cut to a line each."""
     try:
-        arguments = inspect.signature(fn).bind(*args, **kwargs).arguments
-    except Exception:
+        return _cut_dumps(message, fn, args, kwargs)
+    except Exception:  # never in place of the user's error
         return message
+
+
+def _cut_dumps(message: str, fn: Callable, args: tuple, kwargs: dict) -> str:
+    arguments = inspect.signature(fn).bind(*args, **kwargs).arguments
     head, sep, rest = message.partition("\nCalled with parameters: ")
     if sep:
         _, sep2, tail = rest.partition("\nParameter annotations: ")

@@ -170,3 +170,19 @@ def test_a_failing_parameter_is_shown_on_a_line(typechecker):
     assert "Actual value: f32[2,3]\n" in message
     assert "'opt': AdamState(21 arrays), 'x': f32[2,3]}" in message
     assert "dimension" not in message.splitlines()[0]  # no conflict: a rank
+
+
+def test_reading_the_arguments_never_replaces_the_error():
+    """A `PyTree[...]` is not looked into: its `isinstance` would check its leaves
+    again, where a symbolic dimension cannot be evaluated."""
+
+    @jaxshard.jaxtyped
+    def f(
+        x: jaxtyping.PyTree[Float[Array, ""]],
+        y: jaxtyping.PyTree[Float[Array, "a+1 a"]],
+    ):
+        return x
+
+    x = jnp.zeros((), jnp.int32)
+    with pytest.raises(jaxtyping.TypeCheckError, match="Called with parameters: {'x'"):
+        f([x, {"k": x}], (jnp.zeros((1, 1)),))
