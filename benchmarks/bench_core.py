@@ -187,7 +187,7 @@ def steady_state(mesh, logical: bool = False) -> tuple[list, list, int, int]:
     return a, b, sum(extra.values()), sum(ops[1].values())
 
 
-def first_call(mesh) -> list[list[float]]:
+def first_call(mesh, rounds: int | None = None) -> list[list[float]]:
     args = inputs(mesh)
 
     def compile_and_run(checked: bool) -> float:
@@ -203,7 +203,7 @@ def first_call(mesh) -> list[list[float]]:
         return side_by_side(
             lambda: compile_and_run(True),
             lambda: compile_and_run(False),
-            rounds=ROUNDS["first"],
+            rounds=rounds or ROUNDS["first"],
         )
 
 

@@ -53,11 +53,23 @@ deferred_scopes: "weakref.WeakSet[Scope]" = weakref.WeakSet()
 # --- scopes: who reads the flags ------------------------------------------------------
 
 
-# In deferred mode, the findings of this many calls are kept before those of the
-# calls the device has finished are read: read one after another, each costs a
-# fraction of what it costs read alone (on XLA's CPU backend, whose threads run the
-# program beside the reads).
+# In deferred mode, the findings of this many calls are kept, then asked at once
+# whether any check failed: one small program over them all (`_any_failed`) and, once
+# the device has answered, one read of its answer. Reading a device array costs more
+# host time than dispatching a call; only a batch in which a check failed is read
+# call by call.
 _READ_AFTER = 64
+
+
+def _failed(packed: list[tuple[Any, Any]]) -> Any:
+    """Whether any check failed in any of the calls whose findings' rows are
+    `packed` (each `Findings.packed`)."""
+    counts = [once[:, 0] for once, _ in packed if once is not None]
+    counts += [states[:, COUNT] for _, states in packed if states is not None]
+    return jnp.any(jnp.concatenate(counts) != 0)
+
+
+_any_failed = jax.jit(_failed)
 
 
 class Scope:
@@ -78,6 +90,9 @@ class Scope:
         # calls' indices, and per frame (trace) the failures read so far, as whole
         # states (`_add_found`).
         self._pending: collections.deque[tuple[int, Any]] = collections.deque()
+        # Batches of pending calls asked whether any check failed: (the answer, or
+        # `None` for a batch read call by call; the calls).
+        self._asked: collections.deque[tuple[Any, list]] = collections.deque()
         self._found: dict[Any, np.ndarray] = {}  # by `frames.Frame`
         self._copy: bool | None = None  # whether findings are copied to the host
 
@@ -102,34 +117,57 @@ class Scope:
         call = self.next_call()
         if call == 0:  # the first since the last flush
             deferred_scopes.add(self)
-        rows = findings.once if findings.once is not None else findings.states
-        if rows is None:  # a program with no checks
-            return out
-        if self._copy is None:
-            self._copy = not all(d.platform == "cpu" for d in rows.sharding.device_set)
-        if self._copy:
-            # Off the CPU, copied to the host as soon as they are made: the read
-            # at a later call then does not wait for the copy.
-            for x in findings.packed:
-                if x is not None:
-                    x.copy_to_host_async()
+        if findings.once is None and findings.states is None:
+            return out  # a program with no checks
         pending = self._pending
         pending.append((call, findings))
         if len(pending) >= _READ_AFTER:
+            self._ask()
+        if self._asked:
             self._read_pending(wait=False)
         return out
 
-    def _read_pending(self, wait: bool) -> None:
-        """Reads the findings of the calls the device has finished (of every call
-        if `wait`), in call order, and keeps their failures."""
-        pending = self._pending
+    def _ask(self) -> None:
+        """Asks the device whether any check failed in the oldest `_READ_AFTER`
+        pending calls (see `_READ_AFTER`)."""
         with self._lock:  # calls from several threads
-            while pending and (wait or pending[0][1].ready()):
-                call, findings = pending.popleft()
-                rows, failed = findings.read()
-                if failed:
-                    frame, found = findings.frame, _full(*rows, np)
-                    self._found[frame] = _add_found(self._found.get(frame), found, call)
+            pending = self._pending
+            if len(pending) < _READ_AFTER:
+                return
+            batch = [pending.popleft() for _ in range(_READ_AFTER)]
+        answer = None
+        if len({id(findings.frame) for _, findings in batch}) == 1:
+            # One trace: one placement, and one `_any_failed` program for them all.
+            answer = _any_failed([findings.packed for _, findings in batch])
+            if self._copy is None:
+                devices = answer.sharding.device_set
+                self._copy = not all(d.platform == "cpu" for d in devices)
+            if self._copy:
+                # Off the CPU, copied to the host as soon as it is made: the read
+                # at a later call then does not wait for the copy.
+                answer.copy_to_host_async()
+        self._asked.append((answer, batch))
+
+    def _read_pending(self, wait: bool) -> None:
+        """Reads the answers of the batches the device has finished (of every
+        batch, and every call not asked about yet, if `wait`), in call order, and
+        keeps their failures."""
+        asked, pending = self._asked, self._pending
+        with self._lock:  # calls from several threads
+            while asked and (wait or asked[0][0] is None or asked[0][0].is_ready()):
+                answer, batch = asked.popleft()
+                if answer is None or bool(np.asarray(answer)):
+                    for call, findings in batch:
+                        self._keep(call, findings)
+            while wait and pending:
+                self._keep(*pending.popleft())
+
+    def _keep(self, call: int, findings: Any) -> None:
+        """Reads what call number `call` found, and keeps its failures."""
+        rows, failed = findings.read()
+        if failed:
+            frame, found = findings.frame, _full(*rows, np)
+            self._found[frame] = _add_found(self._found.get(frame), found, call)
 
     def refs(self) -> tuple[Any, Any]:
         """The flag and call counter for the current placement."""

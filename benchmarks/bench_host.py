@@ -1,0 +1,294 @@
+"""What do contracts cost the host? Each figure is measured side by side in one run.
+
+(a) Eager calls, on one device, tiny arrays: a function with two sharded
+    annotations checked by `jaxshard.jaxtyped` against the same function with plain
+    annotations under `jaxtyping.jaxtyped` (both with beartype); the plain
+    annotations written with jaxshard's names and decorator against jaxtyping's;
+    `isinstance(x, T)` for a sharded `T` against jaxtyping's plain `T`.
+(b) Recompiles: how many programs XLA compiles when a compiled `checked(jax.jit(f))`
+    is called again in another checks mode, under an equal rule table, or in
+    `config(...)` scopes that change nothing the program depends on (target 0), and
+    when checks are turned off (a different program: 1).
+(c) Dispatch, on one device: host time per call of `checked(jax.jit(f))` (`f` is
+    `x + 1` on 64 floats with one check) in each mode, and of checkify's version of
+    the same check with `err.throw()` after each call, each over `jax.jit` of `x + 1`.
+    "raise" and checkify wait for every call, and so does their baseline; the others
+    and theirs wait every 16th call.
+(d) First call: trace, compile and one run of bench_core's training step on an Auto
+    mesh of 8 devices (compile-time probes), annotated against unannotated, JAX's
+    caches cleared before each.
+(e) Import: `import jaxshard` against `import jax`, each in a fresh interpreter.
+
+Host time is the calling thread's CPU time (`time.thread_time`): on a busy machine,
+the time other processes hold the cores is not counted. Rounds alternate the order of
+the variants (A B, B A, ...); the table shows the median time of each and the median
+over rounds of the ratio (or difference) within a round.
+
+Run: `python benchmarks/bench_host.py` (or `nox -s bench`); `--quick` for a smoke
+test. docs/performance.md gives the figures (its section "Host costs:
+`bench_host.py`").
+"""
+
+import subprocess
+import sys
+import time
+from statistics import median
+
+import jax
+
+
+# Before anything touches the devices: 8 CPU devices, for bench_core's Auto mesh.
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.monitoring  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import jaxtyping  # noqa: E402
+from beartype import beartype  # noqa: E402
+from jax.experimental import checkify  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jaxtyping import Array  # noqa: E402
+
+import jaxshard  # noqa: E402
+
+
+QUICK = "--quick" in sys.argv[1:]  # a smoke test of the script, not a measurement
+ROUNDS = {"eager": 3, "dispatch": 3, "first": 1, "import": 2} if QUICK else {}
+ROUNDS = {"eager": 21, "dispatch": 21, "first": 7, "import": 9} | ROUNDS
+CALLS = 300 if QUICK else 3000
+
+X = jaxshard.Float[Array, "b d", P("dp", None)]
+Y = jaxshard.Float[Array, "d e", P(None, "tp")]
+NAMED = jaxshard.Float[Array, "b d"]  # jaxshard's name, no spec: jaxtyping's annotation
+PlainX = jaxtyping.Float[Array, "b d"]
+PlainY = jaxtyping.Float[Array, "d e"]
+
+
+def side_by_side(runs: dict, rounds: int) -> dict:
+    """The seconds each of `runs` takes in each round; rounds run ABC, CBA, ..."""
+    for run in runs.values():  # warm up, compile
+        run()
+    times = {name: [] for name in runs}
+    for r in range(rounds):
+        for name in list(runs)[:: 1 if r % 2 == 0 else -1]:
+            times[name].append(runs[name]())
+    return times
+
+
+def per_call(fn, args, every: int = 0, mode: str | None = None):
+    """Host seconds per call of `fn(*args)`, waiting for every `every`th result, in
+    checks mode `mode` (set once per run, as a user sets it)."""
+
+    def run() -> float:
+        scope = jaxshard.config(checks=mode) if mode else jaxshard.config()
+        with scope:
+            start = time.thread_time()
+            for i in range(CALLS):
+                out = fn(*args)
+                if every and i % every == 0:
+                    jax.block_until_ready(out)
+            if every:
+                jax.block_until_ready(out)
+            return (time.thread_time() - start) / CALLS
+
+    return run
+
+
+def ratio(times: dict, a: str, b: str) -> float:
+    return median(x / y for x, y in zip(times[a], times[b]))
+
+
+def extra_us(times: dict, a: str, b: str) -> float:
+    return median(x - y for x, y in zip(times[a], times[b])) * 1e6
+
+
+# --- (a) eager ----------------------------------------------------------------------
+
+
+def eager_times() -> dict:
+    mesh = jax.make_mesh((1, 1), ("dp", "tp"), devices=jax.devices()[:1])
+
+    def sharded(x: X, y: Y) -> NAMED:
+        return x
+
+    def plain(x: PlainX, y: PlainY) -> PlainX:
+        return x
+
+    def named(x: NAMED, y: NAMED) -> NAMED:
+        return x
+
+    def plain_named(x: PlainX, y: PlainX) -> PlainX:
+        return x
+
+    x = jax.device_put(jnp.ones((4, 4)), NamedSharding(mesh, P("dp", None)))
+    y = jax.device_put(jnp.ones((4, 4)), NamedSharding(mesh, P(None, "tp")))
+    runs = {
+        "sharded": per_call(jaxshard.jaxtyped(sharded, typechecker=beartype), (x, y)),
+        "jaxtyping": per_call(jaxtyping.jaxtyped(plain, typechecker=beartype), (x, y)),
+        "named": per_call(jaxshard.jaxtyped(named, typechecker=beartype), (x, x)),
+        "jaxtyping named": per_call(
+            jaxtyping.jaxtyped(plain_named, typechecker=beartype), (x, x)
+        ),
+        "isinstance sharded": per_call(lambda: isinstance(x, X), ()),
+        "isinstance plain": per_call(lambda: isinstance(x, PlainX), ()),
+    }
+    return side_by_side(runs, ROUNDS["eager"])
+
+
+# --- (b) recompiles -----------------------------------------------------------------
+
+_compiles = [0]
+
+
+def _count(event: str, duration: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compiles[0] += 1
+
+
+def recompiles() -> list[tuple[str, int, str]]:
+    """(what, programs compiled, target) for each way of calling the step again."""
+    jax.monitoring.register_event_duration_secs_listener(_count)
+
+    def f(x):
+        jaxshard.check(x[0] > -1, "x[0] is {v}", v=x[0])
+        return x + 1
+
+    step = jaxshard.checked(jax.jit(f))
+    x = jnp.zeros(64)
+    rules = [("batch", "dp")]
+    with jaxshard.axis_rules(rules):
+        step(x)
+    out = []
+
+    def count(what: str, target: str, scope) -> None:
+        before = _compiles[0]
+        with jaxshard.axis_rules(list(rules)), scope():
+            step(x)
+        out.append((what, _compiles[0] - before, target))
+
+    count("deferred_checks()", "0", jaxshard.deferred_checks)
+    count("config(sharding='check'), an equal table", "0", jaxshard.config)
+    count("config(checks='off'): another program", "1", lambda: _off())
+    count("config(checks='off') again", "0", lambda: _off())
+    count("config(checks='raise') after", "0", lambda: jaxshard.config(checks="raise"))
+    return out
+
+
+def _off():
+    return jaxshard.config(checks="off")
+
+
+# --- (c) dispatch -------------------------------------------------------------------
+
+
+def dispatch_times() -> dict:
+    x = jax.device_put(jnp.zeros(64), jax.devices()[0])
+
+    def f(x):
+        jaxshard.check(x[0] > -1, "x[0] is {v}", v=x[0])
+        return x + 1
+
+    def with_checkify(x):
+        checkify.check(x[0] > -1, "x[0] is {v}", v=x[0])
+        return x + 1
+
+    checked = jaxshard.checked(jax.jit(f))
+    baseline = jax.jit(lambda x: x + 1)
+    checkified = jax.jit(checkify.checkify(with_checkify))
+
+    def throwing(x):
+        err, out = checkified(x)
+        err.throw()
+        return out
+
+    runs = {
+        "jax.jit": per_call(baseline, (x,), every=16),
+        "off": per_call(checked, (x,), every=16, mode="off"),
+        "deferred": per_call(checked, (x,), every=16, mode="deferred"),
+        "jax.jit, waited": per_call(baseline, (x,), every=1),
+        "raise": per_call(checked, (x,), every=1, mode="raise"),
+        "checkify + throw": per_call(throwing, (x,), every=1),
+    }
+    times = side_by_side(runs, ROUNDS["dispatch"])
+    jaxshard.flush_checks()
+    return times
+
+
+# --- (d) first call; (e) import -----------------------------------------------------
+
+
+def first_call_times() -> dict:
+    from bench_core import first_call  # the same step, mesh and inputs
+
+    mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    annotated, plain = first_call(mesh, ROUNDS["first"])
+    return {"annotated": annotated, "unannotated": plain}
+
+
+_IMPORT = (
+    "import time; t = time.perf_counter(); import {}; print(time.perf_counter() - t)"
+)
+
+
+def import_times() -> dict:
+    def timed(module: str):
+        def run() -> float:
+            code = _IMPORT.format(module)
+            out = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            )
+            return float(out.stdout)
+
+        return run
+
+    runs = {"jaxshard": timed("jaxshard"), "jax": timed("jax")}
+    return side_by_side(runs, ROUNDS["import"])
+
+
+# --- the table ----------------------------------------------------------------------
+
+
+def main() -> int:
+    started = time.perf_counter()
+    print(
+        f"jax {jax.__version__}, jaxtyping {jaxtyping.__version__}, host CPU time "
+        "per call" + (" (--quick: too few rounds to trust)" if QUICK else ""),
+        flush=True,
+    )
+    rows = [("", "jaxshard", "baseline", "ratio", "target", "")]
+
+    def row(what, times, a, b, target="-", unit="us", note=""):
+        scale = {"ms": 1e3, "us": 1e6}[unit]
+        shown = [f"{median(times[k]) * scale:.3g} {unit}" for k in (a, b)]
+        rows.append((what, *shown, f"{ratio(times, a, b):.3f}", target, note))
+
+    times = eager_times()
+    row("(a) eager, 2 sharded args", times, "sharded", "jaxtyping", "<= 1.05")
+    row("(a) eager, jaxshard's names", times, "named", "jaxtyping named", "<= 1.02")
+    row("(a) isinstance", times, "isinstance sharded", "isinstance plain", "<= 1.05")
+    times = dispatch_times()
+    for mode, base, target in [
+        ("off", "jax.jit", "+5 us"),
+        ("deferred", "jax.jit", "+5 us"),
+        ("raise", "jax.jit, waited", "checkify's"),
+        ("checkify + throw", "jax.jit, waited", "-"),
+    ]:
+        note = f"+{extra_us(times, mode, base):.1f} us over jax.jit"
+        row(f"(c) dispatch, {mode}", times, mode, base, target, note=note)
+    times = first_call_times()
+    row("(d) first call, Auto", times, "annotated", "unannotated", "<= 1.05", "ms")
+    times = import_times()
+    note = f"+{extra_us(times, 'jaxshard', 'jax') / 1e3:.0f} ms (target <= 100 ms)"
+    row("(e) import jaxshard vs jax", times, "jaxshard", "jax", unit="ms", note=note)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    print("(b) programs compiled when a compiled checked step is called again:")
+    for what, compiled, target in recompiles():
+        print(f"    {what}: {compiled} (target {target})")
+    seconds = time.perf_counter() - started
+    print(f"({seconds:.0f} s; medians over rounds; ratios paired within rounds)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
