@@ -49,6 +49,12 @@ def _pyenv_pythons() -> None:
 _pyenv_pythons()
 
 
+def _workers() -> str:
+    """pytest-xdist's worker count: one per core, at most 4 (each worker is a JAX with
+    8 simulated devices and its own compiles, about 1.5 GB)."""
+    return str(max(1, min(4, os.cpu_count() or 1)))
+
+
 def _install(session, jax: str, extras: str) -> None:
     """jaxshard with `extras`, and this jax; the `tpu` extra asks for `jax[tpu]`, so
     pip takes the libtpu that this jax pins."""
@@ -71,7 +77,7 @@ def tests(session, jax):
     else:
         _install(session, jax, "test,tpu")
     # The docs' own code runs in `nox -s docs`, once.
-    session.run("pytest", "-m", "not docs", *session.posargs, env=env)
+    session.run("pytest", "-n", _workers(), "-m", "not docs", *session.posargs, env=env)
 
 
 # The demo and the examples run on whichever Python runs nox, with the newest tested jax
@@ -136,7 +142,9 @@ def soak(session):
     _install(session, NEWEST[1], "test")
     examples = session.posargs[0] if session.posargs else "10000"
     env = {"JAX_PLATFORMS": "cpu", "JAXSHARD_PROPERTY_EXAMPLES": examples}
-    session.run("pytest", "tests/sharding/test_properties.py", "-q", env=env)
+    session.run(
+        "pytest", "-n", _workers(), "tests/sharding/test_properties.py", "-q", env=env
+    )
 
 
 @nox.session
