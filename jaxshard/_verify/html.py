@@ -17,19 +17,7 @@ from html import escape
 from importlib import resources
 from typing import Any
 
-from .._sharding.describe import describe_bytes
-
-
-# The mesh axes' colours, in the mesh's order (Google's chart palette).
-AXIS_COLORS = ("#1a73e8", "#e8710a", "#188038", "#9334e6", "#d01884", "#12b5cb")
-SHOWN_ARRAYS = 12  # arrays drawn before "Show all"
-SHOWN_SITES = 10  # lines of code in the collectives panel
-MEMORY = (
-    ("arguments", "var(--args)"),
-    ("outputs", "var(--outs)"),
-    ("temporaries", "var(--temps)"),
-    ("code", "var(--code)"),
-)
+from .html_text import AXIS_COLORS, human
 
 
 def page(data: dict) -> str:
@@ -96,8 +84,8 @@ def summary(data: dict) -> str:
     memory = data.get("memory")
     if memory:
         hbm = (data.get("program") or {}).get("hbm_bytes")
-        of = f" of {_b(hbm)} of HBM" if hbm else ""
-        lines.append(f"Memory per device: {_b(memory['total'])}{of}.")
+        of = f" of {human(hbm)} of HBM" if hbm else ""
+        lines.append(f"Memory per device: {human(memory['total'])}{of}.")
     return "\n".join(lines)
 
 
@@ -121,10 +109,6 @@ def _script_safe(text: str) -> str:
 def _script_safe_code(code: str) -> str:
     assert "</script" not in code.lower()
     return code
-
-
-def _b(n: Any) -> str:
-    return "?" if n is None else describe_bytes(n)
 
 
 # --- reading old snapshots ----------------------------------------------------------

@@ -7,16 +7,12 @@ import math
 from html import escape
 from typing import Any
 
-from .html import _b, MEMORY, SHOWN_ARRAYS, SHOWN_SITES
-
-
-def _e(value: Any) -> str:
-    return escape("" if value is None else str(value))
+from .html_text import esc, human, MEMORY, SHOWN_ARRAYS, SHOWN_SITES
 
 
 def header(v: Any) -> str:
     d = v.data
-    mesh = " ".join(v.axis(a, n) for a, n in v.axes) or _e(d.get("mesh"))
+    mesh = " ".join(v.axis(a, n) for a, n in v.axes) or esc(d.get("mesh"))
     types = "/".join(sorted(set(d.get("axis_types") or ()))) or "?"
     flops = (d.get("program") or {}).get("flops")
     flops = (
@@ -24,10 +20,10 @@ def header(v: Any) -> str:
     )
     return (
         '<header><span class="brand">jaxshard.verify</span>'
-        f"<h1><code>{_e(d.get('function'))}</code></h1>"
+        f"<h1><code>{esc(d.get('function'))}</code></h1>"
         f'<span class="muted small">mesh</span> {mesh}'
-        f'<span class="chip">{_e(types)} axes</span>'
-        f'<span class="chip">{_e(d.get("devices"))}</span>{flops}</header>'
+        f'<span class="chip">{esc(types)} axes</span>'
+        f'<span class="chip">{esc(d.get("devices"))}</span>{flops}</header>'
     )
 
 
@@ -37,7 +33,8 @@ def verdict(v: Any) -> str:
         text = f"All {len(contracts)} sharding contracts hold"
         if v.data.get("against"):
             text += ", and nothing changed since the snapshot"
-        return f'<div class="verdict good"><span class="mark">✓</span>{_e(text)}.</div>'
+        mark = '<span class="mark">✓</span>'
+        return f'<div class="verdict good">{mark}{esc(text)}.</div>'
     count = {k: sum(x["kind"] == k for x in v.violations) for k in _KINDS}
     of = {"contract": len(contracts)}  # as `str(report)` says it: 2 of 9 ...
     parts = [
@@ -49,7 +46,7 @@ def verdict(v: Any) -> str:
     items = "\n".join(_violation(x) for x in v.violations)
     return (
         f'<div class="verdict bad" id="verdict"><span class="mark">✗</span>'
-        f"{_e(', '.join(parts))}</div>\n"
+        f"{esc(', '.join(parts))}</div>\n"
         f'<ol class="violations" id="violations">{items}</ol>'
     )
 
@@ -58,7 +55,7 @@ def error(v: Any) -> str:
     return (
         '<div class="verdict bad" id="verdict"><span class="mark">✗</span>The '
         "function failed to trace or compile: no contract was checked</div>"
-        f'<pre class="violation reason mono">{_e(v.data["error"])}</pre>'
+        f'<pre class="violation reason mono">{esc(v.data["error"])}</pre>'
     )
 
 
@@ -74,25 +71,25 @@ def _violation(x: dict) -> str:
     if kind == "contract":
         who = ", ".join(filter(None, [x.get("call") or x.get("function"), x["value"]]))
         layout = (
-            f'<div class="layout small">expected <code>{_e(x["expected"])}</code>, '
-            f"found <code>{_e(x['actual'])}</code>"
-            + (f" · <code>{_e(x['type'])}</code>" if x.get("type") else "")
+            f'<div class="layout small">expected <code>{esc(x["expected"])}</code>, '
+            f"found <code>{esc(x['actual'])}</code>"
+            + (f" · <code>{esc(x['type'])}</code>" if x.get("type") else "")
             + "</div>"
         )
     else:
         who = x["value"].removeprefix("snapshot: ")
         layout = (
-            f'<div class="layout small">limit <code>{_e(x["expected"])}</code>, '
-            f"found <code>{_e(x['actual'])}</code></div>"
+            f'<div class="layout small">limit <code>{esc(x["expected"])}</code>, '
+            f"found <code>{esc(x['actual'])}</code></div>"
             if kind == "budget"
             else ""
         )
     source = x.get("source")
-    source = f'<code class="source">{_e(source)}</code>' if source else ""
+    source = f'<code class="source">{esc(source)}</code>' if source else ""
     return (
         f'<li class="violation"><div class="title"><span class="kind {kind}">'
-        f"{_e(kind)}</span><strong>{_e(who)}</strong>{source}</div>{layout}"
-        f'<div class="reason">{_e(x.get("reason"))}</div></li>'
+        f"{esc(kind)}</span><strong>{esc(who)}</strong>{source}</div>{layout}"
+        f'<div class="reason">{esc(x.get("reason"))}</div></li>'
     )
 
 
@@ -112,17 +109,17 @@ def memory(v: Any) -> str:
     whole = sum(used[k] for k, _ in MEMORY) or 1
     bar = "".join(
         f'<span style="width:{100 * used[k] / whole:.3f}%;background:{c}" '
-        f'title="{k} {_b(used[k])}"></span>'
+        f'title="{k} {human(used[k])}"></span>'
         for k, c in MEMORY
     )
     rows = "".join(
         f'<span class="swatch" style="background:{c}"></span><span>{k}'
         + (
-            f" (aliased {_b(m['aliased'])})"
+            f" (aliased {human(m['aliased'])})"
             if k == "outputs" and m.get("aliased")
             else ""
         )
-        + f'</span><span class="num">{_b(used[k] if k != "outputs" else m[k])}'
+        + f'</span><span class="num">{human(used[k] if k != "outputs" else m[k])}'
         + (f' <span class="muted">{used[k] / hbm:.1%} of HBM</span>' if hbm else "")
         + "</span>"
         for k, c in MEMORY
@@ -139,7 +136,7 @@ def _hbm_meter(total: int, hbm: int | None) -> str:
     """How much of a device's HBM the program fills, as a meter and a sentence."""
     if hbm is None:
         return (
-            f'<div class="fit">{_b(total)} in all; the HBM of these devices is '
+            f'<div class="fit">{human(total)} in all; the HBM of these devices is '
             "unknown (not a TPU mesh).</div>"
         )
     full = min(1.0, total / hbm)
@@ -154,13 +151,13 @@ def _hbm_meter(total: int, hbm: int | None) -> str:
 def _fit(total: int, hbm: int) -> str:
     if total <= hbm:
         return (
-            f'<div class="fit good">Fits: {_b(total)} of {_b(hbm)} of HBM '
-            f"({total / hbm:.1%}), {_b(hbm - total)} to spare. The program's parts:"
+            f'<div class="fit good">Fits: {human(total)} of {human(hbm)} of HBM '
+            f"({total / hbm:.1%}), {human(hbm - total)} to spare. The program's parts:"
             "</div>"
         )
     return (
-        f'<div class="fit bad">Does not fit: {_b(total)}, more than the '
-        f"{_b(hbm)} of HBM by {_b(total - hbm)}. The program's parts:</div>"
+        f'<div class="fit bad">Does not fit: {human(total)}, more than the '
+        f"{human(hbm)} of HBM by {human(total - hbm)}. The program's parts:</div>"
     )
 
 
@@ -179,30 +176,31 @@ def collectives(v: Any) -> str:
         )
     most = max((s["bytes"] or 0 for s in sites), default=0) or 1
     rows = "".join(
-        f'<tr><td><span class="chip">{_e(s["kind"])}</span></td>'
+        f'<tr><td><span class="chip">{esc(s["kind"])}</span></td>'
         f"<td>{_axes(v, s['axes'])}</td>"
-        f'<td class="num">×{s["count"]}</td><td class="num">{_b(s["bytes"])}</td>'
+        f'<td class="num">×{s["count"]}</td><td class="num">{human(s["bytes"])}</td>'
         f'<td><div class="meter"><span style="width:'
         f'{100 * (s["bytes"] or 0) / most:.1f}%"></span></div></td>'
-        f'<td title="{_e(s.get("where"))}">{_where(s)}</td></tr>'
+        f'<td title="{esc(s.get("where"))}">{_where(s)}</td></tr>'
         for s in sites[:SHOWN_SITES]
     )
     total = sum(s["bytes"] or 0 for s in sites)
     more = len(sites) - SHOWN_SITES
     tail = f"; {more} more lines in the table below" if more > 0 else ""
+    count = _count(sum(s["count"] for s in sites))
     return _panel(
         "Collectives by line of code, most bytes first",
         f'<table class="sites" id="top-lines">{rows}</table><p class="muted small">'
-        f"{_count(sum(s['count'] for s in sites))}, {_b(total)} per device{tail}.</p>",
+        f"{count}, {human(total)} per device{tail}.</p>",
     )
 
 
 def _where(site: dict) -> str:
     if not site["line"]:  # made for an input, or by XLA: JAX's name for it
-        return f'<code class="small">{_e(site["function"])}</code>'
+        return f'<code class="small">{esc(site["function"])}</code>'
     return (
-        f'<code class="source">{_e(site["line"])}</code> '
-        f'<span class="muted">{_e(site["function"])}</span>'
+        f'<code class="source">{esc(site["line"])}</code> '
+        f'<span class="muted">{esc(site["function"])}</span>'
     )
 
 
@@ -220,16 +218,16 @@ def changes(v: Any) -> str:
     if not found:
         return _panel(
             "Since the snapshot",
-            f'<p class="ok">Nothing changed since <code>{_e(against)}</code>.</p>',
+            f'<p class="ok">Nothing changed since <code>{esc(against)}</code>.</p>',
             wide=True,
         )
     rows = "".join(
-        f"<tr><td><strong>{_e(x['value'].removeprefix('snapshot: '))}</strong></td>"
-        f'<td class="mono"><span class="was">{_e(x["expected"])}</span> → '
-        f'<span class="now">{_e(x["actual"])}</span></td></tr>'
+        f"<tr><td><strong>{esc(x['value'].removeprefix('snapshot: '))}</strong></td>"
+        f'<td class="mono"><span class="was">{esc(x["expected"])}</span> → '
+        f'<span class="now">{esc(x["actual"])}</span></td></tr>'
         for x in found
     )
-    head = f"Compared with <code>{_e(against)}</code>: " if against else ""
+    head = f"Compared with <code>{esc(against)}</code>: " if against else ""
     n = f"{len(found)} difference{'s' * (len(found) > 1)}"
     return _panel(
         "Since the snapshot",
@@ -240,7 +238,7 @@ def changes(v: Any) -> str:
 
 def _panel(title: str, body: str, wide: bool = False) -> str:
     cls = "panel wide" if wide else "panel"
-    return f'<section class="{cls}"><h2>{_e(title)}</h2>{body}</section>'
+    return f'<section class="{cls}"><h2>{esc(title)}</h2>{body}</section>'
 
 
 def layouts(v: Any) -> str:
@@ -283,10 +281,11 @@ def _card(v: Any, name: str, a: dict, hidden: bool) -> str:
     )
     cls = "array hidden more-arrays" if hidden else "array"
     return (
-        f'<div class="{cls}"><div class="name mono">{_e(name)}</div>'
-        f'<div class="mono small muted">{_e(a["dtype"])}[{_e(dims)}]</div>'
+        f'<div class="{cls}"><div class="name mono">{esc(name)}</div>'
+        f'<div class="mono small muted">{esc(a["dtype"])}[{esc(dims)}]</div>'
         f"{diagram(v, a['shape'], spec)}"
-        f'<div class="small">{_b(a["device_bytes"])} per device of {_b(a["bytes"])}'
+        f'<div class="small">{human(a["device_bytes"])} per device of '
+        f"{human(a['bytes'])}"
         f'</div><div class="small muted">{note if spec is None else note}</div></div>'
     )
 
@@ -372,7 +371,7 @@ def tables(v: Any) -> str:
 
 
 def notes(v: Any) -> str:
-    items = "".join(f"<li>{_e(n)}</li>" for n in v.data.get("notes") or [])
+    items = "".join(f"<li>{esc(n)}</li>" for n in v.data.get("notes") or [])
     return (
         f'<section class="notes"><h2>Notes</h2><ul>{items}</ul></section>'
         if items
@@ -384,9 +383,9 @@ def footer(v: Any) -> str:
     import jaxshard
 
     return (
-        f"<footer>Drawn by jaxshard {_e(jaxshard.__version__)}"
+        f"<footer>Drawn by jaxshard {esc(jaxshard.__version__)}"
         + (
-            f" from a snapshot of format {_e(v.data['jaxshard_snapshot'])}"
+            f" from a snapshot of format {esc(v.data['jaxshard_snapshot'])}"
             if "jaxshard_snapshot" in v.data
             else ""
         )

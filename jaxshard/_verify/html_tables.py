@@ -2,14 +2,9 @@
 sortable by each column (`page.js`): the contracts, the inputs and outputs, and the
 collectives by line of code."""
 
-from html import escape
 from typing import Any
 
-from .html import _b
-
-
-def _e(value: Any) -> str:
-    return escape("" if value is None else str(value))
+from .html_text import esc, human
 
 
 def all_tables(v: Any) -> str:
@@ -28,19 +23,19 @@ def _table(v: Any, name: str, title: str, head: list[str], rows: list[str]) -> s
     if not rows:
         return ""
     table = f"{v.root}-{name}"
-    heads = "".join(f'<th scope="col">{_e(h)}</th>' for h in head)
+    heads = "".join(f'<th scope="col">{esc(h)}</th>' for h in head)
     return (
-        f'<section class="table"><div class="tools"><h2>{_e(title)} '
+        f'<section class="table"><div class="tools"><h2>{esc(title)} '
         f'<span class="muted small" id="{table}-count">{len(rows)}</span></h2>'
-        f'<input type="search" placeholder="Search {_e(title.lower())}" '
-        f'aria-label="Search {_e(title.lower())}" data-filter="{table}"></div>'
+        f'<input type="search" placeholder="Search {esc(title.lower())}" '
+        f'aria-label="Search {esc(title.lower())}" data-filter="{table}"></div>'
         f'<div class="scroll"><table class="data" id="{table}"><thead><tr>{heads}'
         f"</tr></thead><tbody>{''.join(rows)}</tbody></table></div></section>"
     )
 
 
 def _num(n: Any, text: str) -> str:
-    return f'<td class="num" data-sort="{-1 if n is None else n}">{_e(text)}</td>'
+    return f'<td class="num" data-sort="{-1 if n is None else n}">{esc(text)}</td>'
 
 
 def _contracts(v: Any) -> str:
@@ -52,11 +47,11 @@ def _contracts(v: Any) -> str:
         )
         rows.append(
             f'<tr class="{"" if ok else "bad"}">'
-            f'<td class="mono">{_e(c.get("function"))}</td>'
-            f'<td class="mono">{_e(c.get("value"))}</td>'
-            f'<td class="mono">{_e(c.get("expected"))}</td>'
-            f'<td class="mono">{_e(c.get("actual"))}</td>'
-            f'<td class="mono">{_e(c.get("type"))}</td><td>{verdict}</td></tr>'
+            f'<td class="mono">{esc(c.get("function"))}</td>'
+            f'<td class="mono">{esc(c.get("value"))}</td>'
+            f'<td class="mono">{esc(c.get("expected"))}</td>'
+            f'<td class="mono">{esc(c.get("actual"))}</td>'
+            f'<td class="mono">{esc(c.get("type"))}</td><td>{verdict}</td></tr>'
         )
     head = ["function", "value", "expected", "actual", "as a JAX type", "verdict"]
     return _table(v, "contracts", "Contracts", head, rows)
@@ -75,14 +70,14 @@ def _arrays(v: Any, side: str, title: str) -> str:
             else "P(" + ", ".join(_entry(x) for x in spec) + ")"
         )
         rows.append(
-            f'<tr><td class="mono">{_e(name)}</td>'
-            f'<td class="mono">{_e(a["dtype"])}</td>'
-            f'<td class="mono">{_e(a["shape"])}</td><td class="mono">{_e(shown)}</td>'
-            f'<td class="mono">{_e(layouts.get(name, ""))}</td>'
-            + _num(a["bytes"], _b(a["bytes"]))
-            + _num(a["device_bytes"], _b(a["device_bytes"]))
+            f'<tr><td class="mono">{esc(name)}</td>'
+            f'<td class="mono">{esc(a["dtype"])}</td>'
+            f'<td class="mono">{esc(a["shape"])}</td><td class="mono">{esc(shown)}</td>'
+            f'<td class="mono">{esc(layouts.get(name, ""))}</td>'
+            + _num(a["bytes"], human(a["bytes"]))
+            + _num(a["device_bytes"], human(a["device_bytes"]))
             + (
-                _num(a.get("replicated_bytes"), _b(a.get("replicated_bytes")))
+                _num(a.get("replicated_bytes"), human(a.get("replicated_bytes")))
                 if beyond
                 else ""
             )
@@ -106,12 +101,12 @@ def _sites(v: Any) -> str:
     for s in v.data.get("sites") or []:
         axes = "unknown" if s["axes"] is None else ", ".join(s["axes"]) or "none"
         rows.append(
-            f'<tr><td class="mono" title="{_e(s.get("where"))}">{_e(s["line"])}</td>'
-            f'<td class="mono">{_e(s["function"])}</td><td>{_e(s["kind"])}</td>'
-            f"<td>{_e(axes)}</td>"
+            f'<tr><td class="mono" title="{esc(s.get("where"))}">{esc(s["line"])}</td>'
+            f'<td class="mono">{esc(s["function"])}</td><td>{esc(s["kind"])}</td>'
+            f"<td>{esc(axes)}</td>"
             + _num(s["count"], str(s["count"]))
-            + _num(s["bytes"], _b(s["bytes"]))
-            + f'<td class="mono small">{_e(s.get("where"))}</td></tr>'
+            + _num(s["bytes"], human(s["bytes"]))
+            + f'<td class="mono small">{esc(s.get("where"))}</td></tr>'
         )
     head = ["line", "function", "kind", "axes", "count", "bytes", "called from"]
     return _table(v, "sites", "Collectives by line of code", head, rows)
