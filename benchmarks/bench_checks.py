@@ -18,11 +18,11 @@
     - equinox.error_if: the same predicates through `eqx.error_if` (EQX_ON_ERROR=raise;
         no failure is injected: on the mesh a failing callback kills the process).
 
-    Every variant is compiled and run for two steps before timing (a change of
-    jaxshard mode traces the function anew). N is 100 (20 with `--quick`). Rounds
-    alternate the order of the variants (forward, backward, ...) so that drift on a
-    busy machine hits each alike; the table shows the median time per step and the
-    median over rounds of the ratio within a round.
+    Every variant is compiled and run for two steps before timing (turning checks
+    off traces the function anew; "raise" and "deferred" run the same program). N is
+    100 (20 with `--quick`). Rounds alternate the order of the variants (forward,
+    backward, ...) so that drift on a busy machine hits each alike; the table shows
+    the median time per step and the median over rounds of the ratio within a round.
 
 (b) `jaxshard.check_finite` alone, on a replicated tree (the MLP's parameters) and on a
     dp-sharded one of the same shapes, against the naive `jnp.all(jnp.isfinite(x))`

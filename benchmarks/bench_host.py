@@ -11,7 +11,9 @@
     when checks are turned off (a different program: 1).
 (c) Dispatch, on one device: host time per call of `checked(jax.jit(f))` (`f` is
     `x + 1` on 64 floats with one check) in each mode, and of checkify's version of
-    the same check with `err.throw()` after each call, each over `jax.jit` of `x + 1`.
+    the same check with `err.throw()` after each call, each over `jax.jit` of `x + 1`;
+    and the program `checked` runs, called directly (its check and the output that
+    holds what the check found), so that the wrapper's own share is the rest.
     "raise" and checkify wait for every call, and so does their baseline; the others
     and theirs wait every 16th call.
 (d) First call: trace, compile and one run of bench_core's training step on an Auto
@@ -200,10 +202,16 @@ def dispatch_times() -> dict:
         err.throw()
         return out
 
+    program = _compiled(jax.jit(f))
+
+    def program_alone(x):
+        return program(x)[0]
+
     runs = {
         "jax.jit": per_call(baseline, (x,), every=16),
         "off": per_call(checked, (x,), every=16, mode="off"),
         "deferred": per_call(checked, (x,), every=16, mode="deferred"),
+        "program alone": per_call(program_alone, (x,), every=16),
         "jax.jit, waited": per_call(baseline, (x,), every=1),
         "raise": per_call(checked, (x,), every=1, mode="raise"),
         "checkify + throw": per_call(throwing, (x,), every=1),
@@ -211,6 +219,14 @@ def dispatch_times() -> dict:
     times = side_by_side(runs, ROUNDS["dispatch"])
     jaxshard.flush_checks()
     return times
+
+
+def _compiled(fn):
+    """The program `checked(fn)` runs, with its checks' findings among its outputs:
+    called directly, what the wrapper adds is the rest (jaxshard's internals)."""
+    from jaxshard._values.frames import _compiled
+
+    return _compiled(fn)
 
 
 # --- (d) first call; (e) import -----------------------------------------------------
@@ -269,6 +285,7 @@ def main() -> int:
     for mode, base, target in [
         ("off", "jax.jit", "+5 us"),
         ("deferred", "jax.jit", "+5 us"),
+        ("program alone", "jax.jit", "-"),
         ("raise", "jax.jit, waited", "checkify's"),
         ("checkify + throw", "jax.jit, waited", "-"),
     ]:

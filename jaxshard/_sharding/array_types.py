@@ -39,12 +39,29 @@ class _Shape:
         self.shape = shape
 
 
+_CONCRETE = layout.CONCRETE
+_plain_check = ArrayMeta.__instancecheck_str__
+
+
 class _MetaShardedArray(ArrayMeta):
     spec: PartitionSpec
     resolves: bool  # whether `spec` depends on the rules in force
     _passed: dict  # the layouts known to pass (see `layout.known`)
     _plain: Any  # the jaxtyping annotation this one adds a spec to
     _rank: int | None  # its number of dimensions; None if variadic or `resolves`
+    _fast: tuple  # (_rank, _passed, _plain), read at once
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        # jaxtyping's (`__instancecheck_str__(obj) == ""`), with the fast path of
+        # `__instancecheck_str__` below in the same frame: `isinstance`, as beartype
+        # calls it, then costs what it costs on the plain annotation.
+        rank, passed, plain = cls._fast
+        if rank is not None and type(obj) in _CONCRETE:
+            sharding = obj.sharding
+            if type(sharding) is NamedSharding and passed.get(sharding) == rank:
+                if not _plain_check(plain, obj):
+                    return True
+        return cls.__instancecheck_str__(obj) == ""
 
     def __instancecheck_str__(cls, obj: Any) -> str:
         if type(obj) in layout.CONCRETE:
@@ -208,6 +225,7 @@ def with_spec(annotation: Any, spec: Any) -> Any:
     namespace = {"resolves": logical is not None, "_passed": {}, "_plain": annotation}
     fixed = logical is None and not variadic
     namespace["_rank"] = len(annotation.dims) if fixed else None
+    namespace["_fast"] = (namespace["_rank"], namespace["_passed"], annotation)
     if logical is None:
         out = _MetaShardedArray(name, (annotation,), {**namespace, "spec": spec})
     else:

@@ -19,6 +19,9 @@ from .._jax_internals import jit_parameters
 class _Notes(threading.local):
     def __init__(self):
         self.frames: list[list[tuple[str, str, str, bool]]] = []
+        # Per call (by depth), the tracers it probed, by (id, annotation): made
+        # when the first probe is, as most calls are eager.
+        self.probed: dict[int, dict[tuple[int, Any], Any]] = {}
 
 
 _notes = _Notes()
@@ -36,6 +39,23 @@ def note_failure(
 
         function, name = where(obj, annotation)
         _notes.frames[-1].append((function, name, reason, sharding))
+
+
+def probed_before(x: Any, annotation: Any) -> bool:
+    """Whether the enclosing `jaxshard.jaxtyped` call left a probe for the tracer
+    `x` and `annotation` already (jaxtyping and beartype each check a parameter:
+    one probe is enough). False outside such calls."""
+    probed = _notes.probed.get(len(_notes.frames))
+    # The tracer itself is held: while it is, its id is its own.
+    return probed is not None and probed.get((id(x), annotation)) is x
+
+
+def note_probed(x: Any, annotation: Any) -> None:
+    """Notes, for `probed_before`, that a probe for `x` and `annotation` is in the
+    program."""
+    depth = len(_notes.frames)
+    if depth:
+        _notes.probed.setdefault(depth, {})[(id(x), annotation)] = x
 
 
 def _details(notes: list[tuple[str, str, str, bool]]) -> str:
@@ -80,6 +100,8 @@ def _with_notes(checked, fn):
             # the sharding was; not beartype's and jaxtyping's chained under it.
             raise error(_message(str(e), notes, fn, args, kwargs)) from None
         finally:
+            if _notes.probed:
+                _notes.probed.pop(len(_notes.frames), None)
             _notes.frames.pop()
 
     wrapper.__jaxshard_jaxtyped__ = True

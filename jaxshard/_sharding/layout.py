@@ -28,6 +28,7 @@ from .._jax_internals import (
     in_linen_init,
     is_batched,
 )
+from . import decorator
 from .compare import compare, invalid, missing_axes, phrase
 from .describe import describe_array, describe_mesh
 from .probes import add_probe
@@ -211,7 +212,12 @@ def _check_traced(annotation, x, named: Any) -> str:
                 reason = _with_rules(reason, annotation)
                 reason = f"{reason} {no_mesh_note()}".rstrip()
             return _verdict(annotation, named, aval, reason)
-    return add_probe(annotation, x, aval, named)
+    if decorator.probed_before(x, annotation):
+        return ""  # a probe is in the program already; it reports any mismatch
+    reason = add_probe(annotation, x, aval, named)
+    if not reason:
+        decorator.note_probed(x, annotation)
+    return reason
 
 
 def _verdict(annotation, x, aval, reason: str) -> str:
