@@ -155,9 +155,8 @@ from ._verify.collectives import Collective as Collective
 from ._verify.report import Memory as Memory, Report as Report, Row as Row
 from ._verify.tpu import tpu_mesh as tpu_mesh
 from ._verify.verify import verify as verify
+from ._version import __version__ as __version__
 
-
-__version__ = "0.2.0"
 
 # Annotations pickled before the modules moved into subpackages name two of them by
 # their old paths.

@@ -7,6 +7,7 @@ import math
 from html import escape
 from typing import Any
 
+from .._version import __version__
 from .html_text import esc, human, MEMORY, SHOWN_ARRAYS, SHOWN_SITES
 
 
@@ -380,10 +381,8 @@ def notes(v: Any) -> str:
 
 
 def footer(v: Any) -> str:
-    import jaxshard
-
     return (
-        f"<footer>Drawn by jaxshard {esc(jaxshard.__version__)}"
+        f"<footer>Drawn by jaxshard {esc(__version__)}"
         + (
             f" from a snapshot of format {esc(v.data['jaxshard_snapshot'])}"
             if "jaxshard_snapshot" in v.data

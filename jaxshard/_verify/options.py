@@ -215,7 +215,7 @@ def _version() -> str:
     import platform
     from importlib.metadata import version
 
-    from .. import __version__
+    from .._version import __version__
 
     return (
         f"jaxshard {__version__} (jax {version('jax')}, jaxtyping "
