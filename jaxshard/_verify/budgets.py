@@ -190,11 +190,13 @@ def _budget_row(what: str, expected: str, actual: str, culprits: list) -> Row:
         for c in culprits[:5]
     )
     more = f" (and {len(culprits) - 5} more)" if len(culprits) > 5 else ""
+    # `actual` is "400.0 MiB" for bytes, "3" for a kind of collective
     noun = "bytes moved per device" if what == "bytes" else f"{what}s"
+    said = "moved per device" if what == "bytes" else noun
     return _over_budget(
         f"collectives: {what}",
         expected,
         actual,
-        f"{actual} {noun}, over the budget of {expected}: {listed}{more}.",
+        f"{actual} {said}, over the budget of {expected}: {listed}{more}.",
         annotation=f"max {noun} {expected}",
     )
