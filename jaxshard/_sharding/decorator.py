@@ -13,7 +13,7 @@ import jaxtyping
 from jaxtyping import TypeCheckError
 
 from .._errors import ShardingError
-from .._jax_internals import jit_parameters
+from .._jax_internals import ArrayMeta, jit_parameters
 
 
 class _Notes(threading.local):
@@ -229,7 +229,50 @@ def jaxtyped(fn: Any = _sentinel, *, typechecker: Any = _sentinel) -> Any:
             f"type {type(fn).__name__}. Put `@jaxshard.jaxtyped(typechecker=...)` "
             "above a `def` or `class`."
         )
-    return _with_notes(_jaxtyping_jaxtyped(fn, typechecker), fn)
+    checked = _jaxtyping_jaxtyped(fn, typechecker)
+    if _plain_only(fn):
+        return _with_message(checked, fn)
+    return _with_notes(checked, fn)
+
+
+def _with_message(checked, fn):
+    """`_with_notes` for a function whose annotations are all plain (`_plain_only`):
+    no check of its notes anything, so no notes are kept: jaxtyping's error alone is
+    rewritten. (A call then costs what jaxtyping's costs, and a Python call.)"""
+
+    @ft.wraps(fn)
+    def wrapper(*args, **kwargs):
+        __tracebackhide__ = True
+        if getattr(wrapper, "__no_type_check__", False):
+            return fn(*args, **kwargs)  # `typing.no_type_check` above this decorator
+        try:
+            return checked(*args, **kwargs)
+        except TypeCheckError as e:
+            if isinstance(e, ShardingError):
+                raise
+            raise TypeCheckError(_message(str(e), [], fn, args, kwargs)) from None
+
+    wrapper.__jaxshard_jaxtyped__ = True
+    return wrapper
+
+
+_BUILTINS = (int, float, complex, bool, str, bytes, type(None), None)
+
+
+def _plain_only(fn: Any) -> bool:
+    """Whether every annotation of `fn` is a plain jaxtyping array annotation or a
+    builtin type, so that no check of its calls can note a sharding. (Anything else,
+    a union, a PyTree, a string yet to be resolved, may hold a sharded annotation.)"""
+    target = inspect.unwrap(fn)
+    annotations = (
+        getattr(target, "__annotations__", None) if inspect.isroutine(target) else None
+    )
+    if not annotations:
+        return False
+    return all(
+        type(a) is ArrayMeta or any(a is b for b in _BUILTINS)
+        for a in annotations.values()
+    )
 
 
 def checked_by_jaxshard(fn: Callable) -> Callable:
