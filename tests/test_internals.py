@@ -439,9 +439,10 @@ def test_in_linen_init():
 
 def test_shard_map_outputs_adds_an_output_to_any_shard_map(explicit_mesh):
     """While in force, every shard_map body traced (here one made before) runs
-    through the hook; what it adds leaves the shard_map with out_spec P() and reaches
-    `done` outside, under jit and eagerly (jitted first). A hook that adds nothing leaves
-    the program as it is, and nothing stays installed, even after an error."""
+    through the hook; what it adds leaves the shard_map with out_spec P() and
+    reaches `done` outside, under jit and eagerly (jitted first). A hook that adds
+    nothing leaves the program as it is, and nothing stays installed, even after an
+    error."""
     mapped = jax.shard_map(
         lambda x: x * 2, mesh=explicit_mesh, in_specs=P("dp"), out_specs=P("dp")
     )

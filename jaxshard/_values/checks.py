@@ -69,8 +69,8 @@ def check(pred: Any, msg: str, /, **values: Any) -> None:
     Otherwise the check becomes part of the compiled program: inside a
     `jaxshard.checked` call it is an error flag read after the call (see `checked`),
     inside a `shard_map` body too (`jax.shard_map` or `jaxshard.shard_map`: the
-    report names the failing device); elsewhere it falls back to raising through a host callback, which is slower and
-    meant as a debugging aid.
+    report names the failing device); elsewhere it falls back to raising through a
+    host callback, which is slower and meant as a debugging aid.
 
     **Arguments:**
 

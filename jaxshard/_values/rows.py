@@ -52,7 +52,9 @@ def _full(once: Any, states: Any, xp=jnp) -> Any:
         zeros = xp.zeros_like(count)
         columns = [
             count,
-            zeros + 1,  # EVALS
+            # EVALS: 2 for a shard_map body's check in a loop, whose row gives the
+            # iteration (`ShardMapFrame.forward`), so that the iteration shows.
+            1 + (iteration >= 0).astype(np.int32),
             zeros,  # LAST_CALL: the frame's call
             fails,  # CALLS
             fails - 1,  # LAST_FAILED: 0 (the call) if failed, else -1

@@ -126,7 +126,10 @@ def _merge(refs, stats):
     fails = count > 0
     first = (state[:, COUNT] == 0) & fails
     evals = jnp.where(state[:, LAST_CALL] == call, state[:, EVALS], 0)
-    iteration = jnp.where(iteration >= 0, iteration, evals)
+    # An iteration given: a shard_map body's check in a loop (`ShardMapFrame.forward`),
+    # which counts as two evaluations, so that its iteration shows.
+    looped = iteration >= 0
+    iteration = jnp.where(looped, iteration, evals)
     sites = count.shape[0]
 
     def column(x):
@@ -147,7 +150,7 @@ def _merge(refs, stats):
     new_call = fails & (state[:, LAST_FAILED] != call)
     counts = [
         column(state[:, COUNT] + count),
-        column(evals + 1),
+        column(evals + 1 + looped),
         column(call),
         column(state[:, CALLS] + new_call),
         column(jnp.where(fails, call, state[:, LAST_FAILED])),

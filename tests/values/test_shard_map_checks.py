@@ -111,7 +111,24 @@ def test_ring_attention_check_in_a_scan_names_device_and_step(mesh):
         assert found.message == "scores holds NaN or infinity (first: nan)"
         # Every device holds the block at some step: the first is its owner.
         assert found.device == {"dp": 1, "tp": 0} and found.element == (0, 0)
+        assert found.iteration == 0
         step(q, jnp.ones_like(k))
+
+
+def test_a_check_in_a_loop_names_the_iteration(mesh):
+    def body(x):
+        def step(i, x):
+            jaxshard.check(x < 50, "big {v} at step {i}", v=x, i=i)
+            return x + 1
+
+        return jax.lax.fori_loop(0, 5, step, x)
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    x = put(jnp.arange(8.0) + 40, mesh, P("dp"))  # dp=3 holds 46, 47: 50 at step 3
+    for f in (jaxshard.checked(jax.jit(mapped)), jaxshard.checked(mapped)):
+        (found,) = failures(f, x)
+        assert found.message == "big 50.0 at step 3" and found.iteration == 3
+        assert found.device == {"dp": 3, "tp": 0}
 
 
 # --- however the shard_map was made ------------------------------------------------
