@@ -75,6 +75,18 @@ if TYPE_CHECKING:  # `Float[Array, "b d", P("dp")]` reads as `Array`
         UInt32 as UInt32,
         UInt64 as UInt64,
     )
+    from ._launch.launch import launch as launch, ProcessOutcome as ProcessOutcome
+    from ._sharding.place import device_put as device_put, shardings_of as shardings_of
+    from ._sharding.summary import (
+        ArrayRow as ArrayRow,
+        Summary as Summary,
+        summary as summary,
+    )
+    from ._verify.abstract import abstract_args as abstract_args
+    from ._verify.collectives import Collective as Collective
+    from ._verify.report import Memory as Memory, Report as Report, Row as Row
+    from ._verify.tpu import tpu_mesh as tpu_mesh
+    from ._verify.verify import verify as verify
 else:
     from ._sharding.array_types import (
         BFloat16 as BFloat16,
@@ -124,16 +136,9 @@ from ._errors import (
     UntestedVersionWarning as UntestedVersionWarning,
 )
 from ._jax_internals import TESTED_JAX as TESTED_JAX
-from ._launch.launch import launch as launch, ProcessOutcome as ProcessOutcome
 from ._sharding.constrain import constrain as constrain
 from ._sharding.decorator import jaxtyped as jaxtyped
-from ._sharding.place import device_put as device_put, shardings_of as shardings_of
 from ._sharding.signature import shardings as shardings
-from ._sharding.summary import (
-    ArrayRow as ArrayRow,
-    Summary as Summary,
-    summary as summary,
-)
 from ._sharding.tree import (
     check_partitioning as check_partitioning,
     check_tree as check_tree,
@@ -150,11 +155,6 @@ from ._values.checks import (
 )
 from ._values.shard_map import shard_map as shard_map
 from ._values.sites import CheckError as CheckError, Failure as Failure
-from ._verify.abstract import abstract_args as abstract_args
-from ._verify.collectives import Collective as Collective
-from ._verify.report import Memory as Memory, Report as Report, Row as Row
-from ._verify.tpu import tpu_mesh as tpu_mesh
-from ._verify.verify import verify as verify
 from ._version import __version__ as __version__
 
 
@@ -177,20 +177,45 @@ _FROM_JAXTYPING = (
 )
 
 
+# What only some programs use (verify and its report, the launcher, placing and
+# summarising) is imported on first use, so that `import jaxshard` costs little more
+# than `import jax`: each name, and the module that defines it.
+_ON_FIRST_USE = {
+    "abstract_args": "._verify.abstract",
+    "ArrayRow": "._sharding.summary",
+    "Collective": "._verify.collectives",
+    "device_put": "._sharding.place",
+    "launch": "._launch.launch",
+    "Memory": "._verify.report",
+    "ProcessOutcome": "._launch.launch",
+    "Report": "._verify.report",
+    "Row": "._verify.report",
+    "shardings_of": "._sharding.place",
+    "summary": "._sharding.summary",
+    "Summary": "._sharding.summary",
+    "tpu_mesh": "._verify.tpu",
+    "verify": "._verify.verify",
+}
+
+
 def __getattr__(name: str):
+    import importlib
+
     if name in _FROM_JAXTYPING:
         import jaxtyping
 
         return getattr(jaxtyping, name)
     if name == "strategies":
-        import importlib
-
         return importlib.import_module("jaxshard.strategies")
+    if name in _ON_FIRST_USE:
+        value = getattr(importlib.import_module(_ON_FIRST_USE[name], __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'jaxshard' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted([*globals(), *_FROM_JAXTYPING, "strategies"])
+    return sorted({*globals(), *_FROM_JAXTYPING, *_ON_FIRST_USE, "strategies"})
 
 
 __all__ = [
