@@ -58,20 +58,20 @@ def note_probed(x: Any, annotation: Any) -> None:
         _notes.probed.setdefault(depth, {})[(id(x), annotation)] = x
 
 
-def _details(notes: list[tuple[str, str, str, bool]]) -> str:
+def _reasons(notes: list[tuple[str, str, str, bool]]) -> list[str]:
+    """Each failed check once, with the function and parameter it concerns."""
     from .describe import subject
 
-    lines = ["----------------------", "Sharding:"]
-    for function, name, reason, _ in dict.fromkeys(notes):
-        head = "" if function is None else f"{subject(function, name)}: "
-        lines.append(f"- {head}{reason}")
-    return "\n".join(lines)
+    return [
+        ("" if function is None else f"{subject(function, name)}: ") + reason
+        for function, name, reason, _ in dict.fromkeys(notes)
+    ]
 
 
 def _message(message: str, notes: list, fn: Callable, args: tuple, kwargs: dict):
-    """jaxtyping's `message`, its dumps of the arguments cut to a line each; first,
-    the dimension two arguments bind to different sizes, if that is what failed;
-    last, the sharding details."""
+    """jaxtyping's `message`, its dumps of the arguments cut to a line each, under
+    the cause: the first sharding that failed (all of them listed last), or the
+    dimension two arguments bind to different sizes."""
     from .bindings import cut_dumps, dimension_conflict
 
     conflict = dimension_conflict(fn, args, kwargs, message)
@@ -79,7 +79,13 @@ def _message(message: str, notes: list, fn: Callable, args: tuple, kwargs: dict)
     if conflict:
         name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)}"
         message = f"{name}: {conflict}\n{message}"
-    return f"{message}\n{_details(notes)}" if notes else message
+    if not notes:
+        return message
+    reasons = _reasons(notes)
+    more = f" ({len(reasons) - 1} more below)" if len(reasons) > 1 else ""
+    details = "\n".join(f"- {reason}" for reason in reasons)
+    head = "" if conflict else f"{reasons[0]}{more}\n"
+    return f"{head}{message}\n----------------------\nSharding:\n{details}"
 
 
 def _with_notes(checked, fn):
