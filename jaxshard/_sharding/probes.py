@@ -153,7 +153,10 @@ def take_violations(thread: int | None = None) -> tuple[list[Violation], list[Si
         sites = []
         for t in [t for t in _checked if t == thread or t not in alive]:
             sites += _checked.pop(t)
-    return (in_program_order(mine, sites) if mine else []), sites
+    ordered = in_program_order(mine, sites) if mine else []
+    for site in sites:
+        site.held.clear()  # the trace is over: its values' ids are no longer needed
+    return ordered, sites
 
 
 def in_program_order(violations: list[Violation], sites: list[Site]) -> list:

@@ -33,7 +33,11 @@ class Site:
     recorder: Any = None  # a `_verify.recorder.Recorder`, while `jaxshard.verify` runs
     order: int = 0  # the order in which the checks were traced
     calls: tuple = ()  # the jaxtyped calls around the check, outermost first
-    value: int = 0  # which traced value was checked (its id, while traced)
+    value: int = 0  # which traced value was checked (its id, while `held`)
+    # The traced value itself, until the program's compile ends: a tracer that died
+    # while its trace went on could lend its id to another value (`take_violations`
+    # lets go of it).
+    held: list = dataclasses.field(default_factory=list, compare=False, repr=False)
     rules: str = ""  # how the axis rules resolved a logical spec, at trace time
     note: str = ""  # what was off when it was traced (`no_mesh_note`)
 
@@ -128,6 +132,7 @@ def make_site(annotation, x, aval, recorder=None) -> Site:
         order=next(_orders),
         calls=calls,
         value=id(x),
+        held=[x],
         rules=annotation.explain() if hasattr(annotation, "explain") else "",
         note=no_mesh_note(),
     )

@@ -27,6 +27,7 @@ class Recorder:
         self.function = function  # the verified function, left out of call chains
 
     def add(self, site: Site, actual: Any, reason: str) -> None:
+        site.held.clear()  # the report tells values apart by their checks' order
         with self._lock:
             self._checks.append((site, actual, reason))
 
