@@ -24,6 +24,7 @@ from .._jax_internals import ArrayMeta, context_mesh
 from .array_types import partition_spec, Shaped
 from .compare import invalid
 from .describe import describe_array, describe_mesh
+from .signature import expect_mesh
 
 
 def constrain(x: Any, annotation: Any, *, mesh: Any = None, rules: Any = None) -> Array:
@@ -132,14 +133,7 @@ def spec_of(annotation: Any) -> tuple[PartitionSpec, Any]:
 def find_mesh(mesh: Any, values: list, what: str) -> Any:
     """`mesh`, else the concrete mesh in context, else (inside `jit`) the abstract
     one, else the mesh the first laid-out value of `values` is on."""
-    function = what.removeprefix("jaxshard.")
-    expect(
-        mesh is None or isinstance(mesh, jax.sharding.Mesh),
-        function,
-        "mesh",
-        "a jax.sharding.Mesh (or None for the one in context)",
-        mesh,
-    )
+    expect_mesh(mesh, what.removeprefix("jaxshard."))
     if mesh is not None:
         return mesh
     found = context_mesh()

@@ -241,8 +241,8 @@ def _input_spec(spec: PartitionSpec) -> PartitionSpec:
     )
 
 
-def _resolve_mesh(mesh: Any, what: str) -> Any:
-    function = what.removeprefix("jaxshard.").split("(")[0]
+def expect_mesh(mesh: Any, function: str) -> None:
+    """Refuses, as `function`'s error, a `mesh=` argument that is not a mesh."""
     expect(
         mesh is None or isinstance(mesh, jax.sharding.Mesh),
         function,
@@ -250,6 +250,10 @@ def _resolve_mesh(mesh: Any, what: str) -> Any:
         "a jax.sharding.Mesh (or None for the one in context)",
         mesh,
     )
+
+
+def _resolve_mesh(mesh: Any, what: str) -> Any:
+    expect_mesh(mesh, what.removeprefix("jaxshard.").split("(")[0])
     mesh = context_mesh() if mesh is None else mesh
     if mesh is None:
         raise ValueError(
