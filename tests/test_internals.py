@@ -163,6 +163,27 @@ def test_dim_memo_roundtrip():
         assert isinstance(jnp.ones(4), jaxtyping.Float[jax.Array, "n"])
 
 
+def test_simple_dims_and_bind_dims_are_jaxtypings_shape_check():
+    """jaxshard's fast shape check reads jaxtyping's dimension objects and binds in
+    the table of the jaxtyped call in progress, as jaxtyping's own check does."""
+    import jaxtyping
+
+    def dims(text):
+        return internals.simple_dims(jaxtyping.Float[jax.Array, text])
+
+    assert dims("a 4 _") == (("a", None), (None, 4), (None, None))
+    for text in ("*a b", "... b", "#a", "a+1", "?a", "#4"):
+        assert dims(text) is None, text
+    with jaxtyping.jaxtyped("context"):
+        assert internals.bind_dims(dims("a 4"), (3, 4))
+        assert not internals.bind_dims(dims("b a"), (2, 5))  # `a` is 3
+        assert isinstance(jnp.ones(2), jaxtyping.Float[jax.Array, "b"])  # b unbound
+        assert not isinstance(jnp.ones(5), jaxtyping.Float[jax.Array, "a"])
+        assert not internals.bind_dims(dims("a 4"), (3, 5))
+        assert not internals.bind_dims(dims("a"), (3, 1))  # the rank
+    assert internals.bind_dims(dims("a"), (7,))  # no call in progress: no table
+
+
 PERSISTENT_CACHE = textwrap.dedent(
     """
     import sys
@@ -224,9 +245,10 @@ def test_compile_event_is_reported_on_the_compiling_thread(event, auto_mesh):
         if name == event:
             seen.append(threading.get_ident())
 
+    x = put((8, 4), auto_mesh, P("dp"))  # made first: `jnp.ones` may compile too
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        jax.jit(lambda x: x + 1).lower(put((8, 4), auto_mesh, P("dp"))).compile()
+        jax.jit(lambda x: x + 1).lower(x).compile()
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert seen == [threading.get_ident()]

@@ -52,6 +52,9 @@ Internals still used, and why (none has a public equivalent in these releases):
   module method runs under `Module.init`, whose dummy batch activation contracts
   have nothing to say about.
 - jaxtyping's `_storage` (dimension bindings, the tree-structure pass of `PyTree`),
+  its dimension classes (`_array_types._NamedDim`, `_FixedDim`, `_anonymous_dim`:
+  a sharded annotation's shape check, done by jaxshard as jaxtyping does it, without
+  copying the binding tables),
   `_decorator`'s wrapper frame (which function is being checked, with which
   arguments and annotations, and whether its return value is) and its array
   metaclass's `__instancecheck_str__`/`_check_shape`, which jaxshard's extends.
@@ -97,6 +100,7 @@ _warn_if_untested(jax.__version__)
 # after the version check, so that an untested jax warns before anything can fail.
 from .calls import (  # noqa: E402
     ArrayMeta as ArrayMeta,
+    bind_dims as bind_dims,
     checked_call as checked_call,
     checked_calls as checked_calls,
     CheckedCall as CheckedCall,
@@ -109,6 +113,7 @@ from .calls import (  # noqa: E402
     in_tree_flatten as in_tree_flatten,
     restore_dim_memo as restore_dim_memo,
     save_dim_memo as save_dim_memo,
+    simple_dims as simple_dims,
 )
 from .primitives import (  # noqa: E402
     accumulate as accumulate,

@@ -13,7 +13,11 @@ import jaxtyping
 from jax._src import (
     mesh as _mesh_lib,  # the legacy `with mesh:`, for context_mesh
 )
-from jaxtyping import _decorator as _jaxtyping_decorator, _storage as _jaxtyping_storage
+from jaxtyping import (
+    _array_types as _jaxtyping_arrays,
+    _decorator as _jaxtyping_decorator,
+    _storage as _jaxtyping_storage,
+)
 
 
 # --- the jit call being compiled -----------------------------------------------------
@@ -125,6 +129,68 @@ def restore_dim_memo(snapshot: tuple) -> None:
 def in_tree_flatten() -> bool:
     """True while `jaxtyping.PyTree` checks only the tree structure of its leaves."""
     return bool(_jaxtyping_storage.get_treeflatten_memo())
+
+
+# jaxtyping's shape check (`_MetaAbstractArray._check_shape`), for the shapes most
+# annotations have: made once per annotation, it then costs a loop over the
+# dimensions, where jaxtyping copies its four binding tables per check.
+
+_Named = _jaxtyping_arrays._NamedDim
+_Fixed = _jaxtyping_arrays._FixedDim
+_ANONYMOUS = _jaxtyping_arrays._anonymous_dim
+_shape_storage = _jaxtyping_storage._shape_storage
+_treeflatten_storage = _jaxtyping_storage._treeflatten_storage
+
+
+def simple_dims(annotation: Any) -> tuple | None:
+    """The dimensions of a jaxtyping annotation as `(name, size)` pairs (`name` for a
+    named one, `size` for a fixed one, neither for `_`), if each is one of those and
+    none is broadcastable (`#`) or a tree path (`?`); else `None`."""
+    if annotation.index_variadic is not None:
+        return None
+    out = []
+    for dim in annotation.dims:
+        if dim is _ANONYMOUS:
+            out.append((None, None))
+        elif getattr(dim, "broadcastable", True):
+            return None
+        elif type(dim) is _Fixed:
+            out.append((None, dim.size))
+        elif type(dim) is _Named and not dim.treepath:
+            out.append((dim.name, None))
+        else:
+            return None
+    return tuple(out)
+
+
+def bind_dims(dims: tuple, shape: tuple) -> bool:
+    """jaxtyping's shape check of `shape` against `simple_dims`' `dims`, with its
+    effect: whether it passes, each new name then bound in the bindings of the
+    jaxtyped call in progress (nothing bound when it fails; in `PyTree`'s tree pass,
+    nothing checked), as in jaxtyping 0.3.11."""
+    if len(shape) != len(dims):
+        return False
+    if getattr(_treeflatten_storage, "value", False):
+        return True
+    stack = getattr(_shape_storage, "memo_stack", None)
+    memo = stack[-1][0] if stack else {}
+    added = []
+    for (name, size), n in zip(dims, shape):
+        if name is None:
+            if size is not None and size != n:
+                break
+        else:
+            bound = memo.get(name)
+            if bound is None:
+                memo[name] = n
+                added.append(name)
+            elif bound != n:
+                break
+    else:
+        return True
+    for name in added:
+        del memo[name]
+    return False
 
 
 _WRAPPER_CODE = ("wrapped_fn_impl", _jaxtyping_decorator.__file__)

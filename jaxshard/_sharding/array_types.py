@@ -21,9 +21,11 @@ from .._annotations.spec import format_spec, parse_compact, validate_spec
 from .._errors import AnnotationError, did_you_mean
 from .._jax_internals import (
     ArrayMeta,
+    bind_dims,
     in_tree_flatten,
     restore_dim_memo,
     save_dim_memo,
+    simple_dims,
 )
 from . import decorator, layout
 
@@ -49,36 +51,48 @@ class _MetaShardedArray(ArrayMeta):
     _passed: dict  # the layouts known to pass (see `layout.known`)
     _plain: Any  # the jaxtyping annotation this one adds a spec to
     _rank: int | None  # its number of dimensions; None if variadic or `resolves`
-    _fast: tuple  # (_rank, _passed, _plain), read at once
+    _fast: tuple  # (_rank, _passed, _dtypes, _dims), read at once
+    # The fast path: a concrete array whose layout passed before (for a
+    # NamedSharding and a spec of fixed rank, `layout.known` inlined), of a dtype
+    # that passed before (`_dtypes`), whose shape is checked by `bind_dims` where the
+    # annotation's dimensions allow (`_dims`; else by jaxtyping). Any failure is
+    # checked in full below, to say all that is wrong.
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        # jaxtyping's (`__instancecheck_str__(obj) == ""`), with the fast path of
-        # `__instancecheck_str__` below in the same frame: `isinstance`, as beartype
-        # calls it, then costs what it costs on the plain annotation.
-        rank, passed, plain = cls._fast
+        # jaxtyping's (`__instancecheck_str__(obj) == ""`), with the fast path in the
+        # same frame: `isinstance`, as beartype calls it, costs less than on the
+        # plain annotation.
+        rank, passed, dtypes, dims = cls._fast
         if rank is not None and type(obj) in _CONCRETE:
             sharding = obj.sharding
-            if type(sharding) is NamedSharding and passed.get(sharding) == rank:
-                if not _plain_check(plain, obj):
+            if (
+                type(sharding) is NamedSharding
+                and passed.get(sharding) == rank
+                and obj.dtype in dtypes
+            ):
+                if dims is None:
+                    if not _plain_check(cls._plain, obj):
+                        return True
+                elif bind_dims(dims, obj.shape):
                     return True
         return cls.__instancecheck_str__(obj) == ""
 
     def __instancecheck_str__(cls, obj: Any) -> str:
-        if type(obj) in layout.CONCRETE:
-            # The common case, as fast as jaxtyping's own check (made by the plain
-            # annotation, which skips `_check_shape` below): a concrete array whose
-            # layout passed before. For a NamedSharding and a spec of fixed rank,
-            # `layout.known` inlined: where jaxtyping's check passes, the array has
-            # the annotation's rank, that of the layout that passed.
+        rank, passed, dtypes, dims = cls._fast
+        if type(obj) in _CONCRETE:
             sharding = obj.sharding
-            if type(sharding) is NamedSharding and cls._rank is not None:
-                if cls._passed.get(sharding) == cls._rank:
-                    plain = ArrayMeta.__instancecheck_str__(cls._plain, obj)
-                    if not plain:
-                        return plain
-                    # A failure: checked in full below, to say all that is wrong.
-            elif layout.known(cls, obj):
-                return ArrayMeta.__instancecheck_str__(cls._plain, obj)
+            if type(sharding) is NamedSharding and rank is not None:
+                if passed.get(sharding) == rank and obj.dtype in dtypes:
+                    if dims is None:
+                        plain = _plain_check(cls._plain, obj)
+                        if not plain:
+                            return plain
+                    elif bind_dims(dims, obj.shape):
+                        return ""
+            elif layout.known(cls, obj) and not cls._skip_instancecheck:
+                return _plain_check(cls._plain, obj)
+        if cls._skip_instancecheck:  # see `make_transparent`
+            return ""
         value = tensors.jax_value(obj)  # a torchax tensor's jax.Array
         if isinstance(value, jax.core.Tracer):
             # Checking a tracer may leave a probe in the program: only once the
@@ -93,7 +107,10 @@ class _MetaShardedArray(ArrayMeta):
             # common passing case needs no snapshot of jaxtyping's dim bindings.
             reason = layout.check(cls, obj, value)
             if not reason:
-                return ArrayMeta.__instancecheck_str__(cls, obj)
+                reason = _plain_check(cls, obj)
+                if not reason and obj is value and not in_tree_flatten():
+                    dtypes[obj.dtype] = True  # see the fast path
+                return reason
             snapshot = save_dim_memo()
             plain = ArrayMeta.__instancecheck_str__(cls, obj)
             if in_tree_flatten():
@@ -107,6 +124,12 @@ class _MetaShardedArray(ArrayMeta):
             restore_dim_memo(snapshot)
             decorator.note_failure(obj, reason, annotation=cls)
         return reason
+
+    def make_transparent(cls) -> None:
+        # jaxtyping's, for the return annotation of a generator checked without a
+        # typechecker: from then on the annotation passes anything, as jaxtyping's.
+        super().make_transparent()
+        cls._fast = (None, {}, {}, None)
 
     def _check_shape(cls, obj, single_memo, variadic_memo, arg_memo) -> str:
         shape = None
@@ -225,7 +248,8 @@ def with_spec(annotation: Any, spec: Any) -> Any:
     namespace = {"resolves": logical is not None, "_passed": {}, "_plain": annotation}
     fixed = logical is None and not variadic
     namespace["_rank"] = len(annotation.dims) if fixed else None
-    namespace["_fast"] = (namespace["_rank"], namespace["_passed"], annotation)
+    simple = simple_dims(annotation) if fixed else None
+    namespace["_fast"] = (namespace["_rank"], namespace["_passed"], {}, simple)
     if logical is None:
         out = _MetaShardedArray(name, (annotation,), {**namespace, "spec": spec})
     else:

@@ -1,9 +1,13 @@
 """The eager fast path: a layout that passed an annotation's check is remembered, and
 every verdict stays what the full check says, whatever changed since."""
 
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import pytest
+from beartype import beartype
 from jax import Array
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -103,3 +107,48 @@ def test_decorated_calls_fail_after_passing_ones(explicit_mesh, jaxtyped):
         f(good)
     with pytest.raises(jaxshard.ShardingError, match="sharded as P\\(None, 'tp'\\)"):
         f(_put((8, 4), explicit_mesh, P(None, "tp")))
+
+
+def test_the_fast_path_binds_dimensions_as_jaxtyping_does(explicit_mesh):
+    A = Float[Array, "a 4", P("dp", None)]
+    B = Float[Array, "b a", P("dp", None)]
+    C = Float[Array, "_ a", P()]
+
+    @jaxshard.jaxtyped(typechecker=beartype)
+    def f(x: A | B, y: C):
+        return x
+
+    for _ in range(3):  # the layouts and dtypes known: the fast path from now on
+        f(_put((8, 4), explicit_mesh, P("dp", None)), _put((8, 8), explicit_mesh, P()))
+    # A fails on its second dimension after binding `a`; B must not see that `a`.
+    f(_put((8, 5), explicit_mesh, P("dp", None)), _put((2, 5), explicit_mesh, P()))
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'y'"):
+        f(_put((8, 4), explicit_mesh, P("dp", None)), _put((8, 5), explicit_mesh, P()))
+    with pytest.raises(jaxtyping.TypeCheckError, match="dimensions"):  # the rank
+        f(_put((8, 4), explicit_mesh, P("dp", None)), _put((8,), explicit_mesh, P()))
+
+
+def test_the_fast_path_knows_dtypes_by_what_passed(explicit_mesh):
+    X = Float[Array, "b d", P("dp", None)]
+    x = _put((8, 4), explicit_mesh, P("dp", None))
+    for _ in range(2):
+        assert isinstance(x, X)
+        assert isinstance(x.astype(jnp.bfloat16), X)  # a Float too
+        assert not isinstance(x.astype(jnp.int32), X)
+        assert not isinstance(x.astype(jnp.bool_), X)
+    assert not isinstance(x.astype(jnp.int32), jaxshard.Float32[Array, "b d", P()])
+
+
+def test_a_transparent_annotation_leaves_the_fast_path(explicit_mesh):
+    X = Float[Array, "b d", P("dp", None)]
+    x = _put((8, 4), explicit_mesh, P("dp", None))
+    assert isinstance(x, X) and isinstance(x, X)
+
+    @jaxshard.jaxtyped(typechecker=None)
+    def numbers() -> Iterator[X]:  # jaxtyping stops checking a generator's yields
+        yield x
+
+    assert len(list(numbers())) == 1
+    assert X._fast[0] is None
+    # As jaxtyping's own annotation, which then passes anything.
+    assert isinstance(x.astype(jnp.int32), X)

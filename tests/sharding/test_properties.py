@@ -48,7 +48,8 @@ U = P.UNCONSTRAINED
 _TOTAL = int(os.environ.get("JAXSHARD_PROPERTY_EXAMPLES", "0"))
 # Each test's share of the examples: (share, default).
 _SHARES = {
-    "strings": (0.25, 60),
+    "strings": (0.2, 60),
+    "repeated": (0.05, 20),
     "compact": (0.05, 20),
     "eager": (0.2, 40),
     "jit": (0.1, 20),
@@ -380,6 +381,63 @@ def test_annotation_strings_agree_with_jaxtyping(data):
         assert _verdict(mine, *args) == _verdict(reference, *args), (texts, form)
 
 
+@soak("repeated")
+@given(st.data())
+def test_repeated_checks_agree_with_jaxtyping(data):
+    """The eager fast path (a layout and a dtype that passed before, the shape
+    checked by jaxshard) against jaxtyping: random shape strings with a spec every
+    placement meets, the same annotations called again and again with random arrays,
+    each call's verdict and each `isinstance` jaxtyping's."""
+    texts = [data.draw(dim_strings()) for _ in range(2)]
+    dtype_name = data.draw(st.sampled_from(["Float", "Int", "Shaped", "Float32"]))
+    theirs = [_make(dtype_name, jaxtyping, t) for t in texts]
+    ours = [_make(dtype_name, jaxshard, t) for t in texts]
+    if any(isinstance(a, Exception) for a in theirs + ours):
+        return
+    ours = [getattr(jaxshard, dtype_name)[Array, t, P()] for t in texts]
+    mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
+    replicated = NamedSharding(mesh, P())
+    forms = ["plain", "union", "either", "pytree", "tuple"]
+    form = data.draw(st.sampled_from(forms))
+    mine = jaxshard.jaxtyped(typechecker=beartype.beartype)(_two(*ours, form))
+    reference = jaxtyping.jaxtyped(typechecker=beartype.beartype)(_two(*theirs, form))
+    fits = jnp.int32 if dtype_name == "Int" else jnp.float32
+    dtypes = st.sampled_from([fits] * 4 + [jnp.int32, jnp.bool_, jnp.bfloat16])
+    for _ in range(data.draw(st.integers(2, 8))):
+        sizes = {name: data.draw(st.integers(1, 3)) for name in _NAMES}
+        arrays = [
+            jax.device_put(
+                jnp.zeros(_shape_for(text, sizes, data), data.draw(dtypes)), replicated
+            )
+            for text in texts
+        ]
+        args = _args(arrays, form)
+        assert _verdict(mine, *args) == _verdict(reference, *args), (texts, form)
+        for x, a, b in zip(arrays, ours, theirs):
+            mine_, theirs_ = _outcome(isinstance, x, a), _outcome(isinstance, x, b)
+            assert mine_ == theirs_, (texts, x.shape, x.dtype)
+
+
+def _shape_for(text: str, sizes: dict, data) -> tuple[int, ...]:
+    """A shape that mostly fits the shape string `text` with named dimensions of
+    `sizes`, and now and then does not."""
+    small = st.integers(1, 4)
+    shape = []
+    for token in text.split():
+        token = token.lstrip("#")
+        if token.startswith("*") or token == "...":
+            shape += [data.draw(small) for _ in range(data.draw(st.integers(0, 2)))]
+        elif token.isdigit():
+            shape.append(int(token))
+        else:
+            shape.append(sizes.get(token) or data.draw(small))
+    if shape and data.draw(st.integers(0, 3)) == 0:  # one dimension off
+        shape[data.draw(st.integers(0, len(shape) - 1))] = data.draw(small)
+    if data.draw(st.integers(0, 7)) == 0:  # the rank off
+        shape = shape[:-1] if shape and data.draw(st.booleans()) else [*shape, 1]
+    return tuple(shape)
+
+
 def _two(A, B, form: str):
     if form == "plain":
 
@@ -394,6 +452,11 @@ def _two(A, B, form: str):
     elif form == "pytree":
 
         def f(x: jaxtyping.PyTree[A], y: jaxtyping.PyTree[B]):
+            return x
+
+    elif form == "either":
+
+        def f(x: A | B, y: B | A):  # type: ignore[operator]
             return x
 
     else:
