@@ -19,7 +19,8 @@
 (d) First call: trace, compile and one run of bench_core's training step on an Auto
     mesh of 8 devices (compile-time probes), annotated against unannotated, JAX's
     caches cleared before each.
-(e) Import: `import jaxshard` against `import jax`, each in a fresh interpreter.
+(e) Import: `import jaxshard` against `import jax`, each in a fresh interpreter, from
+    cached bytecode.
 
 Host time is the calling thread's CPU time (`time.thread_time`): on a busy machine,
 the time other processes hold the cores is not counted. Rounds alternate the order of
@@ -31,6 +32,7 @@ test. docs/performance.md gives the figures (its section "Host costs:
 `bench_host.py`").
 """
 
+import os
 import subprocess
 import sys
 import time
@@ -246,11 +248,19 @@ _IMPORT = (
 
 
 def import_times() -> dict:
+    # As an installed package imports: from cached bytecode (pip compiles it on
+    # install), which the warm-up run writes here if it is missing.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
     def timed(module: str):
         def run() -> float:
             code = _IMPORT.format(module)
             out = subprocess.run(
-                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+                [sys.executable, "-c", code],
+                capture_output=True,
+                text=True,
+                check=True,
+                env=env,
             )
             return float(out.stdout)
 

@@ -184,6 +184,27 @@ def test_simple_dims_and_bind_dims_are_jaxtypings_shape_check():
     assert internals.bind_dims(dims("a"), (7,))  # no call in progress: no table
 
 
+def test_jax_extend_names_are_jax_extends():
+    """`Primitive`, `find_top_trace`, `set_current_trace` and MLIR's `ir` come from
+    where `jax.extend` finds them, so that `import jaxshard` does not import all of
+    `jax.extend` (Pallas included)."""
+    import jax.extend.core
+    from jax.extend.mlir import ir
+
+    from jaxshard._jax_internals import primitives, shard_map, traces
+
+    assert primitives.Primitive is jax.extend.core.Primitive
+    assert primitives.ir.DictAttr is ir.DictAttr
+    for module in (traces, shard_map):
+        assert module.find_top_trace is jax.extend.core.find_top_trace
+        assert module.set_current_trace is jax.extend.core.set_current_trace
+    code = "import sys, jaxshard; print(any(m.startswith('jax.extend') for m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "False"
+
+
 PERSISTENT_CACHE = textwrap.dedent(
     """
     import sys

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.extend.core import Primitive
-from jax.extend.mlir import ir
+from jax._src.core import Primitive  # jax.extend.core's; see __init__
 from jax.interpreters import ad, batching, mlir, partial_eval as pe
+from jaxlib.mlir import ir  # what jax.extend.mlir.ir re-exports
 
 
 # --- the sharding probe -------------------------------------------------------------

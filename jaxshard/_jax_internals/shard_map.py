@@ -10,7 +10,10 @@ from jax._src import (
     shard_map as _shard_map_lib,  # shard_map_outputs
 )
 from jax._src.interpreters.partial_eval import DynamicJaxprTrace  # shard_map_outputs
-from jax.extend.core import find_top_trace, set_current_trace
+from jax._src.core import (  # jax.extend.core's; see __init__
+    find_top_trace,
+    set_current_trace,
+)
 
 from .traces import _EVAL_TRACE
 

@@ -6,7 +6,10 @@ from typing import Any
 
 import jax
 from jax.experimental.layout import Format
-from jax.extend.core import find_top_trace, set_current_trace
+from jax._src.core import (  # jax.extend.core's; see __init__
+    find_top_trace,
+    set_current_trace,
+)
 
 
 def jit_parameters(fn: Any) -> dict[str, Any] | None:
