@@ -77,6 +77,33 @@ def test_probe_survives_partial_evaluation(on_mesh, auto_mesh):
     assert seen and all(spec == P("dp", "tp") for spec in seen)
 
 
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_probe_linearizes_by_its_own_rule_and_lowers_inline(on_mesh, auto_mesh):
+    """Under grad the probe's linearize rule binds it once on the primal (JAX's
+    fallback would trace its JVP into a jaxpr per probe); its lowering is inline,
+    not a function of its own."""
+    from jax._src.interpreters import ad as ad_internal
+
+    prim = internals.mesh_probe_p if on_mesh else internals.probe_p
+    assert prim in ad_internal.primitive_linearizations
+    seen = []
+
+    def loss(x):
+        y = jnp.sin(x)
+        mesh = auto_mesh if on_mesh else None
+        internals.bind_probe(y, lambda s, dims, t: seen.append(s.spec), mesh)
+        return (y * y).sum()
+
+    x = put((8, 4), auto_mesh, P("dp", "tp"))
+    with jax.set_mesh(auto_mesh):
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(x)
+        lowered = jax.jit(jax.grad(loss)).lower(x)
+        lowered.compile()
+    assert str(jaxpr).count("jaxshard_sharding_probe") == 1
+    assert lowered.as_text().count("func.func") == 1  # main alone
+    assert seen == [P("dp", "tp")]
+
+
 def test_probe_on_a_mesh_needs_no_device_assignment(auto_mesh):
     """The probe given its mesh is not one of the primitives for which JAX hands
     the device assignment to the lowering (and refuses inputs whose meshes differ in
@@ -198,7 +225,10 @@ def test_jax_extend_names_are_jax_extends():
     for module in (traces, shard_map):
         assert module.find_top_trace is jax.extend.core.find_top_trace
         assert module.set_current_trace is jax.extend.core.set_current_trace
-    code = "import sys, jaxshard; print(any(m.startswith('jax.extend') for m in sys.modules))"
+    code = (
+        "import sys, jaxshard; "
+        "print(any(m.startswith('jax.extend') for m in sys.modules))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )

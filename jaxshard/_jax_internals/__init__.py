@@ -25,6 +25,9 @@ Internals still used, and why (none has a public equivalent in these releases):
   does, but without its effect (which would cost jit's C++ dispatch). Under
   `jax.set_mesh` the probe hands that rule the mesh's devices itself
   (`jax._src.sharding_impls.ShardingContext`, the lowering context's `replace`).
+- `jax._src.interpreters.ad.primitive_linearizations`: the probe's linearize rule
+  under `grad` (JAX's fallback traces a primitive's JVP rule into a jaxpr per bind,
+  about a millisecond of a first call's trace per probe).
 - `jax._src.interpreters.partial_eval`'s `new_eqn_recipe`, `EffectHandle` and a
   `JaxprTrace`'s `effect_handles`: the probe's partial-eval rule keeps it in the
   forward pass of a differentiated body as an effectful equation is kept, without an

@@ -91,6 +91,25 @@ def _probe_jvp(prim, primals, tangents, **params):
     return prim.bind(*primals, **params), []
 
 
+# Under `grad`, JAX linearizes each primitive; without a rule of its own it traces
+# the JVP rule into a jaxpr and partially evaluates it, per probe (a millisecond or
+# so of a first call's trace each). The probe has no output: its linearization binds
+# it on the primal and has no tangent.
+if jax.__version_info__ >= (0, 11, 0):
+    # jax 0.11.2 to 0.12.0.1: the rule also returns structured residuals.
+    def _probe_linearize(prim, is_vjp, nonzeros, *primals, **params):
+        del is_vjp, nonzeros
+        prim.bind(*primals, **params)
+        return [], [], [], None, lambda residuals, structured, *tangents: []
+
+else:
+    # jax 0.10.2.
+    def _probe_linearize(prim, is_vjp, nonzeros, *primals, **params):
+        del is_vjp, nonzeros
+        prim.bind(*primals, **params)
+        return [], [], [], lambda residuals, *tangents: []
+
+
 # A cache hit in JAX's persistent compilation cache would skip the partitioner, and so
 # the check. The custom call carries its callback's address, which can repeat (in
 # another process, or after `jax.clear_caches()`), so each lowering also gets a nonce
@@ -150,6 +169,7 @@ def _probe_partial_eval(prim, trace, tracer, **params):
 
 def _register_probes():
     from jax._src import dispatch
+    from jax._src.interpreters import ad as ad_internal
 
     # Like inspect_sharding: lowering needs the device assignment to build the mesh.
     dispatch.prim_requires_devices_during_lowering.add(probe_p)
@@ -160,7 +180,10 @@ def _register_probes():
         pe.custom_partial_eval_rules[prim] = ft.partial(_probe_partial_eval, prim)
         batching.primitive_batchers[prim] = ft.partial(_probe_batch, prim)
         ad.primitive_jvps[prim] = ft.partial(_probe_jvp, prim)
-        mlir.register_lowering(prim, _probe_lowering)
+        ad_internal.primitive_linearizations[prim] = ft.partial(_probe_linearize, prim)
+        # Each probe's lowering is its own (a callback and a nonce): emitted inline,
+        # not as a function of its own that no other probe could call.
+        mlir.register_lowering(prim, _probe_lowering, cacheable=False)
 
 
 _register_probes()

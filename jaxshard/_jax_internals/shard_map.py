@@ -9,11 +9,11 @@ import jax
 from jax._src import (
     shard_map as _shard_map_lib,  # shard_map_outputs
 )
-from jax._src.interpreters.partial_eval import DynamicJaxprTrace  # shard_map_outputs
 from jax._src.core import (  # jax.extend.core's; see __init__
     find_top_trace,
     set_current_trace,
 )
+from jax._src.interpreters.partial_eval import DynamicJaxprTrace  # shard_map_outputs
 
 from .traces import _EVAL_TRACE
 

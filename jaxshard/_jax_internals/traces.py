@@ -5,11 +5,11 @@ ShardingTypeError by name."""
 from typing import Any
 
 import jax
-from jax.experimental.layout import Format
 from jax._src.core import (  # jax.extend.core's; see __init__
     find_top_trace,
     set_current_trace,
 )
+from jax.experimental.layout import Format
 
 
 def jit_parameters(fn: Any) -> dict[str, Any] | None:
