@@ -9,12 +9,11 @@ lives beside it, per thread too, and is not part of the key: switching between t
 modes compiles nothing.
 """
 
-import contextlib
 import dataclasses
 import functools as ft
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -150,15 +149,17 @@ def _process_defaults() -> dict[str, str]:
 
 
 class _Mode(threading.local):
-    """The checks mode a `checked` function's host side follows, "raise" or
-    "deferred", in this thread (`None`: the process default, `_default_mode`)."""
+    """The checks mode in force in this thread, "raise", "deferred" or "off" (`None`:
+    the process default, `_default_mode`): what a `checked` function's host side
+    follows, read on every call. (Whether checks are on is also in `Settings`, for
+    the programs; this copy is a cheaper read.)"""
 
     value: str | None = None
 
 
 _mode = _Mode()
 _defaults = _process_defaults()
-_default_mode = ["deferred" if _defaults["checks"] == "deferred" else "raise"]
+_default_mode = [_defaults["checks"]]
 
 
 def _traced(settings: dict[str, str]) -> dict[str, str]:
@@ -179,8 +180,6 @@ def current() -> Settings:
 
 def checks_mode() -> str:
     """The `checks` setting in force in this thread: "raise", "deferred" or "off"."""
-    if _context.value.checks == "off":
-        return "off"
     return _mode.value or _default_mode[0]
 
 
@@ -317,16 +316,13 @@ def _with(base: Settings, settings: dict, source: str) -> Settings:
 
 
 def _host_mode(settings: dict) -> str | None:
-    """The host's checks mode that `settings` (validated) set, if any."""
-    checks = settings.get("checks")
-    return checks if checks in ("raise", "deferred") else None
+    """The checks mode that `settings` (validated) set, if any."""
+    return settings.get("checks")
 
 
 config = Config()
 
 
-@contextlib.contextmanager
-def overriding(**settings: object) -> Iterator[None]:
+def overriding(**settings: object) -> _Scope:
     """Like `config`, for jaxshard's own use: no validation, hidden settings too."""
-    with _context(current()._replace(**settings)):
-        yield
+    return _Scope(current()._replace(**_traced(settings)), _host_mode(settings))

@@ -99,24 +99,31 @@ def checked(fn: Any = None, *, inputs_finite: Any = False) -> Any:
         checks = _config.checks_mode()
         if checks == "off":
             return fn(*args, **kwargs)
+        if compiled is not None:
+            # The call on the host's fast path: every call pays for this, so no
+            # scope is set (the program sets its own while it is traced, and an
+            # unchanged context keeps the call on jit's fast path), and a call from
+            # inside a trace is recognised by what it returns.
+            try:
+                out, findings = compiled(*args, **kwargs)
+            except ValueError as e:
+                if not diagnosis.is_jit_mismatch(e):
+                    raise
+                raise _jit_mismatch(scope.name, fn, args, kwargs) from None
+            if findings.traced():
+                raise _inside_a_trace(scope.name)
+            scope.found(findings, checks)
+            return out
         if in_trace():
-            raise RuntimeError(
-                f"jaxshard.checked({scope.name}) was called inside a trace (inside "
-                "jax.jit?). Call the checked function from outside jit, or put the "
-                "jit inside: jaxshard.checked(jax.jit(f))."
-            )
+            raise _inside_a_trace(scope.name)
+        scope.begin_call(args, kwargs)
         try:
-            if compiled is not None:
-                # No scope to set: the program sets its own while it is traced, and
-                # an unchanged context keeps the call on jit's fast path.
-                return scope.run_compiled(compiled, checks, args, kwargs)
-            scope.begin_call(args, kwargs)
             with recording_into(scope):
                 out = run(*args, **kwargs)
         except ValueError as e:
             if not diagnosis.is_jit_mismatch(e):
                 raise
-            raise ShardingError(_jit_mismatch(scope.name, fn, args, kwargs)) from None
+            raise _jit_mismatch(scope.name, fn, args, kwargs) from None
         if checks == "raise":
             failures = scope.take_failures(deferred=False)
             if failures:
@@ -139,14 +146,24 @@ def checked(fn: Any = None, *, inputs_finite: Any = False) -> Any:
     return wrapper
 
 
-def _jit_mismatch(name: str, fn: Callable, args: tuple, kwargs: dict) -> str:
-    """jit's refusal of an argument laid out otherwise than its in_shardings, as a
-    message naming the argument by its path."""
+def _inside_a_trace(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"jaxshard.checked({name}) was called inside a trace (inside jax.jit?). Call "
+        "the checked function from outside jit, or put the jit inside: "
+        "jaxshard.checked(jax.jit(f))."
+    )
+
+
+def _jit_mismatch(name: str, fn: Callable, args: tuple, kwargs: dict) -> ShardingError:
+    """jit's refusal of an argument laid out otherwise than its in_shardings, as an
+    error naming the argument by its path."""
     params = jit_parameters(fn) or {}
     function = params.get("fun", fn)
     shardings = params.get("in_shardings")
     what = f"jaxshard.checked({name})"
-    return diagnosis.jit_mismatch(what, function, shardings, args, kwargs)
+    return ShardingError(
+        diagnosis.jit_mismatch(what, function, shardings, args, kwargs)
+    )
 
 
 def flush_checks() -> None:

@@ -25,6 +25,7 @@ import numpy as np
 from .. import _config
 from .._jax_internals import (
     current_trace,
+    in_trace,
     jit_parameters,
     new_ref_in,
     shard_map_outputs,
@@ -88,6 +89,13 @@ class Findings:
             failed = failed or np.count_nonzero(states[:, COUNT]) > 0
         return (once, states), failed
 
+    def traced(self) -> bool:
+        """Whether the call that returned these was traced (inside `jax.jit`)."""
+        once, states = self.once, self.states
+        if once is None and states is None:
+            return in_trace()
+        return isinstance(once, jax.core.Tracer) or isinstance(states, jax.core.Tracer)
+
     def ready(self) -> bool:
         """Whether the device has made the rows (reading them would not wait)."""
         once, states = self.once, self.states
@@ -109,7 +117,7 @@ def _compiled(fn: Callable) -> Callable | None:
     `jit_parameters`): static and donated arguments, shardings and layouts, device,
     ... (a jitted function called inside it would close over the checks' Refs, and
     JAX cannot discharge those from a jit with shardings). Both modes run it (see
-    `Scope.run_compiled`)."""
+    `Scope.found`)."""
     params = jit_parameters(fn)
     if params is None:
         return None

@@ -103,29 +103,27 @@ class Scope:
         self._call += 1
         return self._call
 
-    def run_compiled(self, program: Any, mode: str, args, kwargs) -> Any:
-        """Calls `program` (see `_compiled`) and reads what it found: in "raise"
-        mode at once; in "deferred" mode only that of calls the device has
+    def found(self, findings: Any, mode: str) -> None:
+        """Takes what a compiled call found (see `_compiled`): in "raise" mode reads
+        it at once; in "deferred" mode reads only that of calls the device has
         finished, so the host never waits."""
-        out, findings = program(*args, **kwargs)
         if mode == "raise":
             rows, failed = findings.read()
             if failed:
                 failures = findings.frame.failures(rows, deferred=False)
                 raise CheckError(failures, when=f" in {self.name}")
-            return out
+            return
         call = self.next_call()
         if call == 0:  # the first since the last flush
             deferred_scopes.add(self)
         if findings.once is None and findings.states is None:
-            return out  # a program with no checks
+            return  # a program with no checks
         pending = self._pending
         pending.append((call, findings))
         if len(pending) >= _READ_AFTER:
             self._ask()
         if self._asked:
             self._read_pending(wait=False)
-        return out
 
     def _ask(self) -> None:
         """Asks the device whether any check failed in the oldest `_READ_AFTER`

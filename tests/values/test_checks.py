@@ -1305,6 +1305,17 @@ def test_bad_input():
     with pytest.raises(RuntimeError, match="called inside a trace"):
         jax.jit(jaxshard.checked(lambda x: x))(1.0)
 
+    def with_a_check(x):
+        jaxshard.check(x > 0, "x is {x}", x=x)
+        return x
+
+    for mode in ("raise", "deferred"):  # a jitted function, with checks or none
+        for f in (with_a_check, lambda x: x):
+            inner = jaxshard.checked(jax.jit(f))
+            with jaxshard.config(checks=mode):
+                with pytest.raises(RuntimeError, match="called inside a trace"):
+                    jax.jit(inner)(1.0)
+
 
 # --- injected failures ----------------------------------------------------------------
 
