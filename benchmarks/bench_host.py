@@ -18,7 +18,8 @@
     and theirs wait every 16th call.
 (d) First call: trace, compile and one run of bench_core's training step on an Auto
     mesh of 8 devices (compile-time probes), annotated against unannotated, JAX's
-    caches cleared before each.
+    caches cleared before each: the CPU time of all the process's threads (XLA
+    compiles on its own).
 (e) Import: `import jaxshard` against `import jax`, each in a fresh interpreter, from
     cached bytecode.
 
@@ -57,7 +58,7 @@ import jaxshard  # noqa: E402
 
 QUICK = "--quick" in sys.argv[1:]  # a smoke test of the script, not a measurement
 ROUNDS = {"eager": 3, "dispatch": 3, "first": 1, "import": 2} if QUICK else {}
-ROUNDS = {"eager": 21, "dispatch": 21, "first": 7, "import": 9} | ROUNDS
+ROUNDS = {"eager": 21, "dispatch": 21, "first": 11, "import": 9} | ROUNDS
 CALLS = 300 if QUICK else 3000
 
 X = jaxshard.Float[Array, "b d", P("dp", None)]
@@ -209,8 +210,17 @@ def dispatch_times() -> dict:
     def program_alone(x):
         return program(x)[0]
 
+    # What deferred mode asks once per 64 calls: whether any of them failed.
+    from jaxshard._values.records import _any_failed, _READ_AFTER
+
+    batch = [program(x)[1].packed for _ in range(_READ_AFTER)]
+
+    def ask(batch):
+        return _any_failed(batch)
+
     runs = {
         "jax.jit": per_call(baseline, (x,), every=16),
+        "the question": per_call(ask, (batch,), every=16),
         "off": per_call(checked, (x,), every=16, mode="off"),
         "deferred": per_call(checked, (x,), every=16, mode="deferred"),
         "program alone": per_call(program_alone, (x,), every=16),
@@ -238,7 +248,9 @@ def first_call_times() -> dict:
     from bench_core import first_call  # the same step, mesh and inputs
 
     mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
-    annotated, plain = first_call(mesh, ROUNDS["first"])
+    # The CPU time of every thread of the process: XLA compiles on threads of its
+    # own, and wall time on a shared machine moves by a tenth from call to call.
+    annotated, plain = first_call(mesh, ROUNDS["first"], clock=time.process_time)
     return {"annotated": annotated, "unannotated": plain}
 
 
@@ -281,6 +293,7 @@ def main() -> int:
         flush=True,
     )
     rows = [("", "jaxshard", "baseline", "ratio", "target", "")]
+    notes = []
 
     def row(what, times, a, b, target="-", unit="us", note=""):
         scale = {"ms": 1e3, "us": 1e6}[unit]
@@ -301,6 +314,10 @@ def main() -> int:
     ]:
         note = f"+{extra_us(times, mode, base):.1f} us over jax.jit"
         row(f"(c) dispatch, {mode}", times, mode, base, target, note=note)
+    from jaxshard._values.records import _READ_AFTER
+
+    asked = median(times["the question"]) * 1e6 / _READ_AFTER
+    notes.append(f"deferred's question per {_READ_AFTER} calls: {asked:.1f} us a call")
     times = first_call_times()
     row("(d) first call, Auto", times, "annotated", "unannotated", "<= 1.05", "ms")
     times = import_times()
@@ -309,6 +326,8 @@ def main() -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    for note in notes:
+        print(f"(c) {note}")
     print("(b) programs compiled when a compiled checked step is called again:")
     for what, compiled, target in recompiles():
         print(f"    {what}: {compiled} (target {target})")
