@@ -5,6 +5,7 @@ out of the call that compiled the program (`_on_compile`), its likely cause firs
 import dataclasses
 import functools as ft
 import threading
+import weakref
 from typing import Any
 
 import jax
@@ -40,23 +41,56 @@ class _Binding(threading.local):
 _binding = _Binding()
 
 
+# The probes in programs being traced, by value: a value passed from one annotated
+# function to the next (a layer's output, the next one's input) gets one probe, which
+# reports the sharding XLA gives it to every place that checked it, each with its own
+# annotation. An entry lasts as long as its traced value (whose id it is keyed by).
+_probes: dict[tuple, tuple[weakref.ref, list[Site]]] = {}
+
+
 def add_probe(annotation, x, aval, named: Any) -> str:
     """Leaves a probe for the sharding XLA gives `x`: "", or the reason it fails if
     JAX evaluated the probe there and then."""
-    site = make_site(annotation, named, aval, _config.current().recorder)
+    recorder = _config.current().recorder
+    site = make_site(annotation, named, aval, recorder)
     traced, mesh = aval.sharding.mesh, context_mesh()
     if mesh is not None and (mesh.axis_names, mesh.axis_sizes) != (
         traced.axis_names,
         traced.axis_sizes,
     ):
         mesh = None  # the program's mesh is known only when it is lowered
+    key = (id(x), mesh, id(recorder))
+    probe = _probes.get(key)
+    if probe is not None and probe[0]() is x:
+        probe[1].append(site)
+        return ""
+    sites, evaluated = [site], []
     outer, _binding.found = _binding.found, []
     try:
-        bind_probe(x, ft.partial(_on_sharding, site), mesh)
+        bind_probe(x, ft.partial(_on_shardings, sites, evaluated), mesh)
         found = _binding.found
     finally:
         _binding.found = outer
+    if not evaluated:  # in the program: other checks of `x` can report through it
+        _probes[key] = (weakref.ref(x, ft.partial(_forget, key)), sites)
     return found[0] if found else ""
+
+
+def _forget(key: tuple, ref: weakref.ref, probes: dict = _probes) -> None:
+    # `probes` bound now: a value may die as the interpreter shuts down, when this
+    # module's globals are gone.
+    probe = probes.get(key)
+    if probe is not None and probe[0] is ref:
+        del probes[key]
+
+
+def _on_shardings(
+    sites: list[Site], evaluated: list, sharding, batch_dims, lowered_on
+) -> None:
+    if lowered_on is None:
+        evaluated.append(True)
+    for site in list(sites):
+        _on_sharding(site, sharding, batch_dims, lowered_on)
 
 
 def _strip(sharding, batch_dims: tuple[int, ...], ndim: int):

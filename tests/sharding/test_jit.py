@@ -422,3 +422,31 @@ def test_a_value_passed_on_is_reported_once(auto_mesh):
     message = str(e.value)
     assert message.count("parameter 'w'") == 2  # once, and where it was passed on to
     assert "outer, parameter 'w' (passed on to test_jit.block (in " in message
+
+
+def test_a_value_passed_on_has_one_probe(auto_mesh):
+    """A value checked by an annotated function and again by the one it is passed
+    to (same annotation) leaves one probe, which reports for both places."""
+
+    @jaxshard.jaxtyped(typechecker=beartype.beartype)
+    def outer(
+        x: Float[Array, "b d", P("dp", None)], w: Float[Array, "d d", P(None, "tp")]
+    ) -> Float[Array, "b d", P("dp", None)]:
+        return block(block(x, w), w)
+
+    x, ws = decoder_inputs(auto_mesh, bad_layer=-1)
+    jaxpr = jax.make_jaxpr(outer)(x, ws[0])
+    # x, w, and each block's output: the blocks' x and w are the values passed on.
+    probes = [e for e in jaxpr.eqns if e.primitive.name.startswith("jaxshard")]
+    assert len(probes) == 4
+    jax.jit(outer)(x, ws[0])
+    x, ws = decoder_inputs(auto_mesh, bad_layer=0)
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jax.jit(outer)(x, ws[0])
+    message = str(e.value)
+    # w, and each block's output, which w laid out so; w reported once, with both
+    # places it was passed on to.
+    assert message.startswith("3 sharding contracts violated")
+    assert message.count("parameter 'w'") == 3
+    assert "test_jit.block #1 of 2 (in " in message
+    assert "test_jit.block #2 of 2 (in " in message
