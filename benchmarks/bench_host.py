@@ -312,7 +312,7 @@ def main() -> int:
         ("raise", "jax.jit, waited", "checkify's"),
         ("checkify + throw", "jax.jit, waited", "-"),
     ]:
-        note = f"+{extra_us(times, mode, base):.1f} us over jax.jit"
+        note = f"{extra_us(times, mode, base):+.1f} us over jax.jit"
         row(f"(c) dispatch, {mode}", times, mode, base, target, note=note)
     from jaxshard._values.records import _READ_AFTER
 
@@ -321,7 +321,7 @@ def main() -> int:
     times = first_call_times()
     row("(d) first call, Auto", times, "annotated", "unannotated", "<= 1.05", "ms")
     times = import_times()
-    note = f"+{extra_us(times, 'jaxshard', 'jax') / 1e3:.0f} ms (target <= 100 ms)"
+    note = f"{extra_us(times, 'jaxshard', 'jax') / 1e3:+.0f} ms (target <= +100 ms)"
     row("(e) import jaxshard vs jax", times, "jaxshard", "jax", unit="ms", note=note)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
