@@ -50,13 +50,13 @@ class _MetaShardedArray(ArrayMeta):
     resolves: bool  # whether `spec` depends on the rules in force
     _passed: dict  # the layouts known to pass (see `layout.known`)
     _plain: Any  # the jaxtyping annotation this one adds a spec to
-    _rank: int | None  # its number of dimensions; None if variadic or `resolves`
-    _fast: tuple  # (_rank, _passed, _dtypes, _dims), read at once
+    _fast: tuple  # (rank, _passed, dtypes, dims), read at once
     # The fast path: a concrete array whose layout passed before (for a
-    # NamedSharding and a spec of fixed rank, `layout.known` inlined), of a dtype
-    # that passed before (`_dtypes`), whose shape is checked by `bind_dims` where the
-    # annotation's dimensions allow (`_dims`; else by jaxtyping). Any failure is
-    # checked in full below, to say all that is wrong.
+    # NamedSharding and a spec of fixed rank, `layout.known` inlined; `rank` is None
+    # for a variadic or logical annotation), of a dtype that passed before
+    # (`dtypes`), whose shape is checked by `bind_dims` where the annotation's
+    # dimensions allow (`dims`; else by jaxtyping). Any failure is checked in full
+    # below, to say all that is wrong.
 
     def __instancecheck__(cls, obj: Any) -> bool:
         # jaxtyping's (`__instancecheck_str__(obj) == ""`), with the fast path in the
@@ -78,6 +78,8 @@ class _MetaShardedArray(ArrayMeta):
         return cls.__instancecheck_str__(obj) == ""
 
     def __instancecheck_str__(cls, obj: Any) -> str:
+        if cls._skip_instancecheck:  # see `make_transparent`
+            return ""
         rank, passed, dtypes, dims = cls._fast
         if type(obj) in _CONCRETE:
             sharding = obj.sharding
@@ -89,10 +91,8 @@ class _MetaShardedArray(ArrayMeta):
                             return plain
                     elif bind_dims(dims, obj.shape):
                         return ""
-            elif layout.known(cls, obj) and not cls._skip_instancecheck:
+            elif layout.known(cls, obj):
                 return _plain_check(cls._plain, obj)
-        if cls._skip_instancecheck:  # see `make_transparent`
-            return ""
         value = tensors.jax_value(obj)  # a torchax tensor's jax.Array
         if isinstance(value, jax.core.Tracer):
             # Checking a tracer may leave a probe in the program: only once the
@@ -247,9 +247,10 @@ def with_spec(annotation: Any, spec: Any) -> Any:
     )
     namespace = {"resolves": logical is not None, "_passed": {}, "_plain": annotation}
     fixed = logical is None and not variadic
-    namespace["_rank"] = len(annotation.dims) if fixed else None
-    simple = simple_dims(annotation) if fixed else None
-    namespace["_fast"] = (namespace["_rank"], namespace["_passed"], {}, simple)
+    rank, dims = (
+        (len(annotation.dims), simple_dims(annotation)) if fixed else (None,) * 2
+    )
+    namespace["_fast"] = (rank, namespace["_passed"], {}, dims)
     if logical is None:
         out = _MetaShardedArray(name, (annotation,), {**namespace, "spec": spec})
     else:

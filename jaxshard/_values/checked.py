@@ -99,31 +99,28 @@ def checked(fn: Any = None, *, inputs_finite: Any = False) -> Any:
         checks = _config.checks_mode()
         if checks == "off":
             return fn(*args, **kwargs)
-        if compiled is not None:
-            # The call on the host's fast path: every call pays for this, so no
-            # scope is set (the program sets its own while it is traced, and an
-            # unchanged context keeps the call on jit's fast path), and a call from
-            # inside a trace is recognised by what it returns.
-            try:
-                out, findings = compiled(*args, **kwargs)
-            except ValueError as e:
-                if not diagnosis.is_jit_mismatch(e):
-                    raise
-                raise _jit_mismatch(scope.name, fn, args, kwargs) from None
-            if findings.traced():
-                raise _inside_a_trace(scope.name)
-            scope.found(findings, checks)
-            return out
-        if in_trace():
-            raise _inside_a_trace(scope.name)
-        scope.begin_call(args, kwargs)
         try:
-            with recording_into(scope):
-                out = run(*args, **kwargs)
+            if compiled is not None:
+                # The call on the host's fast path: every call pays for this, so no
+                # scope is set (the program sets its own while it is traced, and an
+                # unchanged context keeps the call on jit's fast path), and a call
+                # from inside a trace is recognised by what it returns.
+                out, findings = compiled(*args, **kwargs)
+            else:
+                if in_trace():
+                    raise _inside_a_trace(scope.name)
+                scope.begin_call(args, kwargs)
+                with recording_into(scope):
+                    out = run(*args, **kwargs)
         except ValueError as e:
             if not diagnosis.is_jit_mismatch(e):
                 raise
             raise _jit_mismatch(scope.name, fn, args, kwargs) from None
+        if compiled is not None:
+            if findings.traced():
+                raise _inside_a_trace(scope.name)
+            scope.found(findings, checks)
+            return out
         if checks == "raise":
             failures = scope.take_failures(deferred=False)
             if failures:
