@@ -210,10 +210,10 @@ def dispatch_times() -> dict:
     def program_alone(x):
         return program(x)[0]
 
-    # What deferred mode asks once per 64 calls: whether any of them failed.
+    # What deferred mode asks once per `_READ_AFTER` calls: whether any failed.
     from jaxshard._values.records import _any_failed, _READ_AFTER
 
-    batch = [program(x)[1].packed for _ in range(_READ_AFTER)]
+    batch = [rows for _ in range(_READ_AFTER) for rows in program(x)[1].values()]
 
     def ask(batch):
         return _any_failed(batch)

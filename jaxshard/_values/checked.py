@@ -14,7 +14,7 @@ from .._jax_internals import in_trace, jit_parameters
 from .._sharding import diagnosis
 from .frames import _compiled, recording_into
 from .inputs import with_input_checks
-from .records import _generation, deferred_scopes, Scope
+from .records import _generation, _inside_a_trace, deferred_scopes, Scope
 from .sites import CheckError
 
 
@@ -105,7 +105,7 @@ def checked(fn: Any = None, *, inputs_finite: Any = False) -> Any:
                 # scope is set (the program sets its own while it is traced, and an
                 # unchanged context keeps the call on jit's fast path), and a call
                 # from inside a trace is recognised by what it returns.
-                out, findings = compiled(*args, **kwargs)
+                out, found = compiled(*args, **kwargs)
             else:
                 if in_trace():
                     raise _inside_a_trace(scope.name)
@@ -117,9 +117,7 @@ def checked(fn: Any = None, *, inputs_finite: Any = False) -> Any:
                 raise
             raise _jit_mismatch(scope.name, fn, args, kwargs) from None
         if compiled is not None:
-            if findings.traced():
-                raise _inside_a_trace(scope.name)
-            scope.found(findings, checks)
+            scope.found(found, checks)
             return out
         if checks == "raise":
             failures = scope.take_failures(deferred=False)
@@ -141,14 +139,6 @@ def checked(fn: Any = None, *, inputs_finite: Any = False) -> Any:
         wrapper.lower = lower  # pyright: ignore[reportAttributeAccessIssue]
     wrapper.scope = scope  # pyright: ignore[reportAttributeAccessIssue]
     return wrapper
-
-
-def _inside_a_trace(name: str) -> RuntimeError:
-    return RuntimeError(
-        f"jaxshard.checked({name}) was called inside a trace (inside jax.jit?). Call "
-        "the checked function from outside jit, or put the jit inside: "
-        "jaxshard.checked(jax.jit(f))."
-    )
 
 
 def _jit_mismatch(name: str, fn: Callable, args: tuple, kwargs: dict) -> ShardingError:

@@ -25,7 +25,6 @@ import numpy as np
 from .. import _config
 from .._jax_internals import (
     current_trace,
-    in_trace,
     jit_parameters,
     new_ref_in,
     shard_map_outputs,
@@ -59,9 +58,9 @@ from .stats import _LOCATED_SIZE, _shared_details
 
 
 class Findings:
-    """What one compiled call found: its frame's rows (what `Frame.packed()`
-    made), `once` and `states`. A pytree whose structure holds the frame, so the jit
-    cache gives it back."""
+    """What a `jaxshard.shard_map` body found: its frame's rows (what
+    `Frame.packed()` made), `once` and `states`. A pytree whose structure holds the
+    frame, so the jit cache gives it back."""
 
     __slots__ = ("frame", "once", "states")
 
@@ -73,36 +72,6 @@ class Findings:
     def packed(self) -> tuple[Any, Any]:
         return self.once, self.states
 
-    def read(self) -> tuple[tuple[Any, Any], bool]:
-        """The rows, read from the device (the call's one wait: returning their
-        count column too would be one more kernel to compile), and whether any
-        check failed."""
-        # `np.asarray` per array: `jax.device_get` of the pair takes 10 us more;
-        # `np.count_nonzero`, a microsecond less than `.any()`.
-        once, states = self.once, self.states
-        failed = False
-        if once is not None:
-            once = np.asarray(once)
-            failed = np.count_nonzero(once[:, 0]) > 0
-        if states is not None:
-            states = np.asarray(states)
-            failed = failed or np.count_nonzero(states[:, COUNT]) > 0
-        return (once, states), failed
-
-    def traced(self) -> bool:
-        """Whether the call that returned these was traced (inside `jax.jit`)."""
-        once, states = self.once, self.states
-        if once is None and states is None:
-            return in_trace()
-        return isinstance(once, jax.core.Tracer) or isinstance(states, jax.core.Tracer)
-
-    def ready(self) -> bool:
-        """Whether the device has made the rows (reading them would not wait)."""
-        once, states = self.once, self.states
-        return (once is None or once.is_ready()) and (
-            states is None or states.is_ready()
-        )
-
 
 jax.tree_util.register_pytree_node(
     Findings, lambda f: ((f.once, f.states), f.frame), Findings
@@ -110,8 +79,12 @@ jax.tree_util.register_pytree_node(
 
 
 def _compiled(fn: Callable) -> Callable | None:
-    """`fn` as a program that also returns what its checks found, `Findings`, if
-    `fn` is a `jax.jit` function; else `None`.
+    """`fn` as a program that also returns what its checks found, `{frame: (once,
+    states)}` (see `Frame.packed`), if `fn` is a `jax.jit` function; else `None`.
+
+    The frame is the dict's key: the tree's structure, which the jit cache gives
+    back with each call's rows, and JAX makes a dict without calling into Python (a
+    class of ours would cost a microsecond a call).
 
     `jax.jit` of the function `fn` wraps, with what `fn` was given (see
     `jit_parameters`): static and donated arguments, shardings and layouts, device,
@@ -127,7 +100,7 @@ def _compiled(fn: Callable) -> Callable | None:
         frame = Frame()
         with recording_into(frame):
             out = fun(*args, **kwargs)
-        return out, Findings(frame, frame.packed())
+        return out, {frame: frame.packed()}
 
     kept = {k: v for k, v in params.items() if k not in ("fun", "out_shardings")}
     if "out_shardings" in params:

@@ -29,7 +29,7 @@ from .._jax_internals import (
     ref_contents,
     set_ref_contents,
 )
-from .rows import _add_found, _full
+from .rows import _add_found, _full, _read, _traced
 from .sites import CheckError, Failure, Site
 from .state import (
     _INITIAL,
@@ -62,8 +62,8 @@ _READ_AFTER = 64
 
 
 def _failed(packed: list[tuple[Any, Any]]) -> Any:
-    """Whether any check failed in any of the calls whose findings' rows are
-    `packed` (each `Findings.packed`)."""
+    """Whether any check failed in any of the calls whose rows are `packed` (each
+    `Frame.packed()`'s)."""
     counts = [once[:, 0] for once, _ in packed if once is not None]
     counts += [states[:, COUNT] for _, states in packed if states is not None]
     return jnp.any(jnp.concatenate(counts) != 0)
@@ -86,10 +86,10 @@ class Scope:
         self._generation = -1
         self._call = -1
         self._lock = threading.Lock()
-        # Compiled calls in deferred mode: the findings not read yet, with their
-        # calls' indices, and per frame (trace) the failures read so far, as whole
+        # Compiled calls in deferred mode: the findings not read yet, `(call index,
+        # frame, rows)`, and per frame (trace) the failures read so far, as whole
         # states (`_add_found`).
-        self._pending: collections.deque[tuple[int, Any]] = collections.deque()
+        self._pending: collections.deque[tuple[int, Any, Any]] = collections.deque()
         # Batches of pending calls asked whether any check failed: (the answer, or
         # `None` for a batch read call by call; the calls).
         self._asked: collections.deque[tuple[Any, list]] = collections.deque()
@@ -103,23 +103,27 @@ class Scope:
         self._call += 1
         return self._call
 
-    def found(self, findings: Any, mode: str) -> None:
-        """Takes what a compiled call found (see `_compiled`): in "raise" mode reads
-        it at once; in "deferred" mode reads only that of calls the device has
-        finished, so the host never waits."""
+    def found(self, found: dict, mode: str) -> None:
+        """Takes what a compiled call found, `{frame: rows}` (see `_compiled`): in
+        "raise" mode reads the rows at once; in "deferred" mode reads only those of
+        calls the device has finished, so the host never waits. Every call pays for
+        this: it is written for speed."""
+        ((frame, packed),) = found.items()
+        if _traced(packed):
+            raise _inside_a_trace(self.name)
         if mode == "raise":
-            rows, failed = findings.read()
+            rows, failed = _read(packed)
             if failed:
-                failures = findings.frame.failures(rows, deferred=False)
+                failures = frame.failures(rows, deferred=False)
                 raise CheckError(failures, when=f" in {self.name}")
             return
         call = self.next_call()
         if call == 0:  # the first since the last flush
             deferred_scopes.add(self)
-        if findings.once is None and findings.states is None:
+        if packed[0] is None and packed[1] is None:
             return  # a program with no checks
         pending = self._pending
-        pending.append((call, findings))
+        pending.append((call, frame, packed))
         if len(pending) >= _READ_AFTER:
             self._ask()
         if self._asked:
@@ -134,9 +138,9 @@ class Scope:
                 return
             batch = [pending.popleft() for _ in range(_READ_AFTER)]
         answer = None
-        if len({id(findings.frame) for _, findings in batch}) == 1:
+        if len({id(frame) for _, frame, _ in batch}) == 1:
             # One trace: one placement, and one `_any_failed` program for them all.
-            answer = _any_failed([findings.packed for _, findings in batch])
+            answer = _any_failed([packed for _, _, packed in batch])
             if self._copy is None:
                 devices = answer.sharding.device_set
                 self._copy = not all(d.platform == "cpu" for d in devices)
@@ -155,16 +159,16 @@ class Scope:
             while asked and (wait or asked[0][0] is None or asked[0][0].is_ready()):
                 answer, batch = asked.popleft()
                 if answer is None or bool(np.asarray(answer)):
-                    for call, findings in batch:
-                        self._keep(call, findings)
+                    for call in batch:
+                        self._keep(*call)
             while wait and pending:
                 self._keep(*pending.popleft())
 
-    def _keep(self, call: int, findings: Any) -> None:
+    def _keep(self, call: int, frame: Any, packed: tuple[Any, Any]) -> None:
         """Reads what call number `call` found, and keeps its failures."""
-        rows, failed = findings.read()
+        rows, failed = _read(packed)
         if failed:
-            frame, found = findings.frame, _full(*rows, np)
+            found = _full(*rows, np)
             self._found[frame] = _add_found(self._found.get(frame), found, call)
 
     def refs(self) -> tuple[Any, Any]:
@@ -222,6 +226,14 @@ class Scope:
             if found is not None and found[site.row, COUNT] > 0:
                 failures.append(site.failure(found[site.row], deferred))
         return failures
+
+
+def _inside_a_trace(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"jaxshard.checked({name}) was called inside a trace (inside jax.jit?). Call "
+        "the checked function from outside jit, or put the jit inside: "
+        "jaxshard.checked(jax.jit(f))."
+    )
 
 
 def _placement(args: tuple, kwargs: dict) -> Any:

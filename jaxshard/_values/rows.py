@@ -1,6 +1,7 @@
 """The findings of a checked program, as rows: what its checks made in its own trace
 return (`_evaluated_once`), those made whole states (`_full`), and the states of
-calls in deferred mode added up on the host (`_add_found`).
+calls in deferred mode added up on the host (`_add_found`); a call's rows read on the
+host (`_read`).
 
 A row per check site; the columns are those of `_check_state`'s state. `_full` runs
 with `xp` either `jax.numpy` (inside a program) or `numpy` (on the host).
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._jax_internals import in_trace
 from .state import BATCH_DEPTH, CALL, CALLS, COUNT, STATE_SIZE
 from .stats import _SELECTED, _selected, _stacked
 
@@ -91,6 +93,44 @@ def _add_found(found: np.ndarray | None, call_found: np.ndarray, call: int) -> A
     for column in (COUNT, CALLS):
         added[:, column] = found[:, column] + call_found[:, column]
     return added
+
+
+def _read(packed: tuple[Any, Any]) -> tuple[tuple[Any, Any], bool]:
+    """A call's rows, `(once, states)` (see `Frame.packed`), read from the device
+    (the call's one wait: returning their count column too would be one more kernel
+    to compile), and whether any check failed."""
+    # `np.asarray` per array: `jax.device_get` of the pair takes 10 us more;
+    # `np.count_nonzero`, a microsecond less than `.any()`.
+    once, states = packed
+    failed = False
+    if once is not None:
+        once = np.asarray(once)
+        failed = np.count_nonzero(once[:, 0]) > 0
+    if states is not None:
+        states = np.asarray(states)
+        failed = failed or np.count_nonzero(states[:, COUNT]) > 0
+    return (once, states), failed
+
+
+# The types of rows a call made outside every trace returns (see `_traced`).
+_concrete: set[type] = {type(None)}
+
+
+def _traced(packed: tuple[Any, Any]) -> bool:
+    """Whether the call that returned the rows `packed` was traced (made inside
+    `jax.jit`): asked after every compiled call, so a type lookup first."""
+    once, states = packed
+    if type(once) in _concrete and type(states) in _concrete:
+        return once is None and states is None and in_trace()
+    if isinstance(once, jax.core.Tracer) or isinstance(states, jax.core.Tracer):
+        return True
+    _concrete.update((type(once), type(states)))
+    return False
+
+
+def _ready(packed: tuple[Any, Any]) -> bool:
+    """Whether the device has made a call's rows (reading them would not wait)."""
+    return all(rows is None or rows.is_ready() for rows in packed)
 
 
 def _column(values: list) -> Any:

@@ -399,32 +399,35 @@ def test_deferred_findings_are_merged_across_calls_and_shapes():
 
 
 def test_deferred_reads_only_finished_calls(monkeypatch):
-    """In deferred mode, once 64 calls' findings are kept, the device is asked
-    whether any of them failed, and a later call reads the answer once the device
-    has given it, never waiting: only a batch with a failure is read call by call
-    (its calls finished by then). Over a long loop, what the function keeps unread
-    stays as small as that and the calls in flight."""
-    from jaxshard._values.frames import Findings
+    """In deferred mode, once `_READ_AFTER` calls' findings are kept, the device is
+    asked whether any of them failed, and a later call reads the answer once the
+    device has given it, never waiting: only a batch with a failure is read call by
+    call (its calls finished by then). Over a long loop, what the function keeps
+    unread stays as small as that and the calls in flight."""
+    from jaxshard._values import records
+    from jaxshard._values.rows import _ready
 
-    read, ready = Findings.read, []
+    batch = records._READ_AFTER
+    read, ready = records._read, []
 
-    def spy(self):
-        ready.append(self.ready())
-        return read(self)
+    def spy(packed):
+        ready.append(_ready(packed))
+        return read(packed)
 
-    monkeypatch.setattr(Findings, "read", spy)
+    monkeypatch.setattr(records, "_read", spy)
     step = step_fn()
+    failing = batch * 2 + batch // 3
     with pytest.raises(jaxshard.CheckError) as e:
         with jaxshard.deferred_checks():
-            for i in range(200):
-                out = step(jnp.float32(9 if i == 150 else 0))
+            for i in range(batch * 3 + 8):
+                out = step(jnp.float32(9 if i == failing else 0))
                 if i % 10 == 9:
                     out.block_until_ready()
-            assert len(ready) <= 64 and all(ready)
+            assert len(ready) <= batch and all(ready)
             scope = step.scope
-            assert len(scope._pending) + 64 * len(scope._asked) <= 2 * 64 + 10
+            assert len(scope._pending) + batch * len(scope._asked) <= 2 * batch + 10
     ((failure),) = e.value.failures
-    assert (failure.message, failure.call, failure.calls) == ("too big 9.0", 150, 1)
+    assert (failure.message, failure.call, failure.calls) == ("too big 9.0", failing, 1)
 
 
 def test_checked_jit_keeps_static_and_donated_arguments():
