@@ -2,14 +2,18 @@
 
 (a) Eager calls, on one device, tiny arrays: a function with two sharded
     annotations checked by `jaxshard.jaxtyped` against the same function with plain
-    annotations under `jaxtyping.jaxtyped` (both with beartype); the plain
-    annotations written with jaxshard's names and decorator against jaxtyping's;
+    annotations under `jaxtyping.jaxtyped` (both with beartype), the specs written
+    with mesh axes (`P`), with logical names under a 32-rule table (`L`), and with a
+    variadic shape (`"*b d"`, against jaxtyping's `"*b d"`); the plain annotations
+    written with jaxshard's names and decorator against jaxtyping's;
     `isinstance(x, T)` for a sharded `T` against jaxtyping's plain `T`.
 (b) Recompiles: how many programs XLA compiles when a compiled `checked(jax.jit(f))`
     is called again in another checks mode, under an equal rule table, or in
     `config(...)` scopes that change nothing the program depends on (target 0), and
     when checks are turned off (a different program: 1).
-(c) Dispatch, on one device: host time per call of `checked(jax.jit(f))` (`f` is
+(c) Dispatch, on one device: `jax.jit` of `x + 1` under a 32-rule
+    `jaxshard.axis_rules` table against the same without (the table is part of every
+    jit call's cache key); host time per call of `checked(jax.jit(f))` (`f` is
     `x + 1` on 64 floats with one check) in each mode, and of checkify's version of
     the same check with `err.throw()` after each call, each over `jax.jit` of `x + 1`;
     and the program `checked` runs, called directly (its check and the output that
@@ -33,6 +37,7 @@ test. docs/performance.md gives the figures (its section "Host costs:
 `bench_host.py`").
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -63,9 +68,15 @@ CALLS = 300 if QUICK else 3000
 
 X = jaxshard.Float[Array, "b d", P("dp", None)]
 Y = jaxshard.Float[Array, "d e", P(None, "tp")]
+LX = jaxshard.Float[Array, "b d", jaxshard.L("batch", None)]
+LY = jaxshard.Float[Array, "d e", jaxshard.L(None, "mlp")]
+VX = jaxshard.Float[Array, "*b d", P(None, None)]
 NAMED = jaxshard.Float[Array, "b d"]  # jaxshard's name, no spec: jaxtyping's annotation
 PlainX = jaxtyping.Float[Array, "b d"]
 PlainY = jaxtyping.Float[Array, "d e"]
+PlainVX = jaxtyping.Float[Array, "*b d"]
+# A rule table of MaxText's size: the two rules these annotations use, and others.
+RULES = [("batch", "dp"), ("mlp", "tp")] + [(f"name{i}", None) for i in range(30)]
 
 
 def side_by_side(runs: dict, rounds: int) -> dict:
@@ -79,13 +90,15 @@ def side_by_side(runs: dict, rounds: int) -> dict:
     return times
 
 
-def per_call(fn, args, every: int = 0, mode: str | None = None):
+def per_call(fn, args, every: int = 0, mode: str | None = None, rules=None):
     """Host seconds per call of `fn(*args)`, waiting for every `every`th result, in
-    checks mode `mode` (set once per run, as a user sets it)."""
+    checks mode `mode` and under the axis rules `rules` (set once per run, as a user
+    sets them)."""
 
     def run() -> float:
         scope = jaxshard.config(checks=mode) if mode else jaxshard.config()
-        with scope:
+        rule_scope = jaxshard.axis_rules(rules) if rules else contextlib.nullcontext()
+        with scope, rule_scope:
             start = time.thread_time()
             for i in range(CALLS):
                 out = fn(*args)
@@ -118,6 +131,15 @@ def eager_times() -> dict:
     def plain(x: PlainX, y: PlainY) -> PlainX:
         return x
 
+    def logical(x: LX, y: LY) -> NAMED:
+        return x
+
+    def variadic(x: VX, y: VX) -> NAMED:
+        return x
+
+    def plain_variadic(x: PlainVX, y: PlainVX) -> PlainX:
+        return x
+
     def named(x: NAMED, y: NAMED) -> NAMED:
         return x
 
@@ -129,6 +151,13 @@ def eager_times() -> dict:
     runs = {
         "sharded": per_call(jaxshard.jaxtyped(sharded, typechecker=beartype), (x, y)),
         "jaxtyping": per_call(jaxtyping.jaxtyped(plain, typechecker=beartype), (x, y)),
+        "logical": per_call(
+            jaxshard.jaxtyped(logical, typechecker=beartype), (x, y), rules=RULES
+        ),
+        "variadic": per_call(jaxshard.jaxtyped(variadic, typechecker=beartype), (x, x)),
+        "jaxtyping variadic": per_call(
+            jaxtyping.jaxtyped(plain_variadic, typechecker=beartype), (x, x)
+        ),
         "named": per_call(jaxshard.jaxtyped(named, typechecker=beartype), (x, x)),
         "jaxtyping named": per_call(
             jaxtyping.jaxtyped(plain_named, typechecker=beartype), (x, x)
@@ -220,6 +249,7 @@ def dispatch_times() -> dict:
 
     runs = {
         "jax.jit": per_call(baseline, (x,), every=16),
+        "jax.jit, rules": per_call(baseline, (x,), every=16, rules=RULES),
         "the question": per_call(ask, (batch,), every=16),
         "off": per_call(checked, (x,), every=16, mode="off"),
         "deferred": per_call(checked, (x,), every=16, mode="deferred"),
@@ -302,10 +332,13 @@ def main() -> int:
 
     times = eager_times()
     row("(a) eager, 2 sharded args", times, "sharded", "jaxtyping", "<= 1.05")
+    row("(a) eager, logical (L)", times, "logical", "jaxtyping", "<= 1.05")
+    row("(a) eager, variadic", times, "variadic", "jaxtyping variadic", "<= 1.05")
     row("(a) eager, jaxshard's names", times, "named", "jaxtyping named", "<= 1.02")
     row("(a) isinstance", times, "isinstance sharded", "isinstance plain", "<= 1.05")
     times = dispatch_times()
     for mode, base, target in [
+        ("jax.jit, rules", "jax.jit", "-"),
         ("off", "jax.jit", "+5 us"),
         ("deferred", "jax.jit", "+5 us"),
         ("program alone", "jax.jit", "-"),

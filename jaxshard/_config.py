@@ -40,6 +40,19 @@ class AxisRules:
     name: str | None = None
     source: str = "jaxshard.axis_rules"
 
+    def __hash__(self) -> int:
+        # Hashed by every `jax.jit` call while in force (`Settings` is part of its
+        # cache key): computed once per table, not per call.
+        return self._hash
+
+    @ft.cached_property
+    def _hash(self) -> int:
+        return hash((self.rules, self.unknown, self.name, self.source))
+
+    def __getstate__(self) -> dict:
+        # A string's hash differs between processes: not pickled with the table.
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @property
     def known(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(logical for logical, _ in self.rules))
@@ -78,7 +91,20 @@ def normalise(rules: Any, *, unknown: str = "error", name: Any = None) -> AxisRu
             "or None, e.g. [('batch', ('dp', 'fsdp')), ('embed', 'fsdp'), ('mlp', "
             f"'tp'), ('seq', None)]; got {_short(rules)}."
         ) from None
-    return AxisRules(tuple(out), unknown, name)
+    return interned(AxisRules(tuple(out), unknown, name))
+
+
+# One object per rule table: `jax.jit` compares the settings in force with those of
+# its cache entries on every call, at C speed only when the tables are the same
+# object (two equal tables compare through the dataclass's `__eq__`: 2 us a call).
+_tables: dict[AxisRules, AxisRules] = {}
+
+
+def interned(rules: AxisRules) -> AxisRules:
+    """The one `AxisRules` object equal to `rules`."""
+    if len(_tables) >= 1024:
+        _tables.clear()  # a program that makes tables anew
+    return _tables.setdefault(rules, rules)
 
 
 def _mesh_axes(mesh: Any) -> Any:

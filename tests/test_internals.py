@@ -199,7 +199,10 @@ def test_simple_dims_and_bind_dims_are_jaxtypings_shape_check():
         return internals.simple_dims(jaxtyping.Float[jax.Array, text])
 
     assert dims("a 4 _") == (("a", None), (None, 4), (None, None))
-    for text in ("*a b", "... b", "#a", "a+1", "?a", "#4"):
+    variadic = internals.VariadicDims
+    assert dims("2 *a b") == variadic(((None, 2),), "a", (("b", None),))
+    assert dims("... b") == dims("*_ b") == variadic((), None, (("b", None),))
+    for text in ("#a", "a+1", "?a", "#4", "#*a", "?*a", "*a #b"):
         assert dims(text) is None, text
     with jaxtyping.jaxtyped("context"):
         assert internals.bind_dims(dims("a 4"), (3, 4))
@@ -208,6 +211,12 @@ def test_simple_dims_and_bind_dims_are_jaxtypings_shape_check():
         assert not isinstance(jnp.ones(5), jaxtyping.Float[jax.Array, "a"])
         assert not internals.bind_dims(dims("a 4"), (3, 5))
         assert not internals.bind_dims(dims("a"), (3, 1))  # the rank
+        assert internals.bind_dims(dims("*v a"), (1, 2, 3))  # *v is (1, 2)
+        assert not internals.bind_dims(dims("*v"), (1, 3))
+        assert not internals.bind_dims(dims("c *v"), (9, 1, 2, 3))  # c unbound after
+        assert isinstance(jnp.ones(5), jaxtyping.Float[jax.Array, "c"])  # c unbound
+        assert internals.bind_dims(dims("... 4"), (4,))
+        assert not internals.bind_dims(dims("*w 2 2"), (2,))  # too few dimensions
     assert internals.bind_dims(dims("a"), (7,))  # no call in progress: no table
 
 

@@ -19,7 +19,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from .. import _config
-from .._config import AxisRules, normalise
+from .._config import AxisRules, interned, normalise
 from .._errors import AnnotationError
 from .spec import format_spec
 
@@ -107,12 +107,19 @@ def flax_rules() -> AxisRules | None:
     rules = linen.get_logical_axis_rules()
     if not rules:
         return None
-    try:
-        return dataclasses.replace(
-            normalise(rules), source="flax's nn.logical_axis_rules"
-        )
-    except TypeError:
-        return None  # a table flax itself would refuse
+    seen, table = _flax_table
+    if rules is not seen:  # flax's table is a tuple, read on every check
+        try:
+            table = dataclasses.replace(
+                normalise(rules), source="flax's nn.logical_axis_rules"
+            )
+        except TypeError:
+            table = None  # a table flax itself would refuse
+        _flax_table[:] = rules, table and interned(table)
+    return _flax_table[1]
+
+
+_flax_table: list = [None, None]  # flax's last table, and it normalised (or None)
 
 
 def active_rules() -> AxisRules | None:

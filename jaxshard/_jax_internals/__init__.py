@@ -60,9 +60,9 @@ Internals still used, and why (none has a public equivalent in these releases):
   module method runs under `Module.init`, whose dummy batch activation contracts
   have nothing to say about.
 - jaxtyping's `_storage` (dimension bindings, the tree-structure pass of `PyTree`),
-  its dimension classes (`_array_types._NamedDim`, `_FixedDim`, `_anonymous_dim`:
-  a sharded annotation's shape check, done by jaxshard as jaxtyping does it, without
-  copying the binding tables),
+  its dimension classes (`_array_types._NamedDim`, `_FixedDim`, `_anonymous_dim`,
+  `_NamedVariadicDim`, `_anonymous_variadic_dim`: a sharded annotation's shape
+  check, done by jaxshard as jaxtyping does it, without copying the binding tables),
   `_decorator`'s wrapper frame (which function is being checked, with which
   arguments and annotations, and whether its return value is) and its array
   metaclass's `__instancecheck_str__`/`_check_shape`, which jaxshard's extends.
@@ -122,6 +122,7 @@ from .calls import (  # noqa: E402
     restore_dim_memo as restore_dim_memo,
     save_dim_memo as save_dim_memo,
     simple_dims as simple_dims,
+    VariadicDims as VariadicDims,
 )
 from .primitives import (  # noqa: E402
     accumulate as accumulate,

@@ -138,18 +138,48 @@ def in_tree_flatten() -> bool:
 _Named = _jaxtyping_arrays._NamedDim
 _Fixed = _jaxtyping_arrays._FixedDim
 _ANONYMOUS = _jaxtyping_arrays._anonymous_dim
+_NamedVariadic = _jaxtyping_arrays._NamedVariadicDim
+_ANY_DIMS = _jaxtyping_arrays._anonymous_variadic_dim  # `...` and `*_`
 _shape_storage = _jaxtyping_storage._shape_storage
 _treeflatten_storage = _jaxtyping_storage._treeflatten_storage
 
 
-def simple_dims(annotation: Any) -> tuple | None:
+class VariadicDims(NamedTuple):
+    """`simple_dims` of an annotation with a variadic dimension: the dimensions
+    before and after it, and its name (`None` for `...` or `*_`)."""
+
+    before: tuple
+    name: str | None
+    after: tuple
+
+
+def simple_dims(annotation: Any) -> tuple | VariadicDims | None:
     """The dimensions of a jaxtyping annotation as `(name, size)` pairs (`name` for a
     named one, `size` for a fixed one, neither for `_`), if each is one of those and
-    none is broadcastable (`#`) or a tree path (`?`); else `None`."""
-    if annotation.index_variadic is not None:
+    none is broadcastable (`#`) or a tree path (`?`); else `None`. With a variadic
+    dimension (`*name`, `...`), a `VariadicDims`."""
+    i = annotation.index_variadic
+    if i is None:
+        return _simple_dims(annotation.dims)
+    variadic = annotation.dims[i]
+    if variadic is _ANY_DIMS:
+        name = None
+    elif type(variadic) is _NamedVariadic and not (
+        variadic.broadcastable or variadic.treepath
+    ):
+        name = variadic.name
+    else:
         return None
+    before = _simple_dims(annotation.dims[:i])
+    after = _simple_dims(annotation.dims[i + 1 :])
+    if before is None or after is None:
+        return None
+    return VariadicDims(before, name, after)
+
+
+def _simple_dims(dims: Any) -> tuple | None:
     out = []
-    for dim in annotation.dims:
+    for dim in dims:
         if dim is _ANONYMOUS:
             out.append((None, None))
         elif getattr(dim, "broadcastable", True):
@@ -163,33 +193,49 @@ def simple_dims(annotation: Any) -> tuple | None:
     return tuple(out)
 
 
-def bind_dims(dims: tuple, shape: tuple) -> bool:
+def bind_dims(dims: tuple | VariadicDims, shape: tuple) -> bool:
     """jaxtyping's shape check of `shape` against `simple_dims`' `dims`, with its
     effect: whether it passes, each new name then bound in the bindings of the
     jaxtyped call in progress (nothing bound when it fails; in `PyTree`'s tree pass,
-    nothing checked), as in jaxtyping 0.3.11."""
-    if len(shape) != len(dims):
+    nothing checked), as in jaxtyping 0.3.11. `False` also where jaxtyping's rule
+    for a variadic dimension bound as broadcastable (`*#name`) applies: check those
+    in full."""
+    name = None
+    if type(dims) is VariadicDims:
+        before, name, after = dims
+        i, j = len(before), len(shape) - len(after)
+        if j < i:
+            return False
+        dims, shape, variadic = before + after, shape[:i] + shape[j:], shape[i:j]
+    elif len(shape) != len(dims):
         return False
     if getattr(_treeflatten_storage, "value", False):
         return True
     stack = getattr(_shape_storage, "memo_stack", None)
-    memo = stack[-1][0] if stack else {}
+    memo, variadic_memo = stack[-1][:2] if stack else ({}, {})
     added = []
-    for (name, size), n in zip(dims, shape):
-        if name is None:
+    for (dim, size), n in zip(dims, shape):
+        if dim is None:
             if size is not None and size != n:
                 break
         else:
-            bound = memo.get(name)
+            bound = memo.get(dim)
             if bound is None:
-                memo[name] = n
-                added.append(name)
+                memo[dim] = n
+                added.append(dim)
             elif bound != n:
                 break
     else:
-        return True
-    for name in added:
-        del memo[name]
+        if name is None:
+            return True
+        bound = variadic_memo.get(name)
+        if bound is None:
+            variadic_memo[name] = (False, variadic)  # pyright: ignore
+            return True
+        if bound == (False, variadic):  # pyright: ignore
+            return True
+    for dim in added:
+        del memo[dim]
     return False
 
 

@@ -50,49 +50,49 @@ class _MetaShardedArray(ArrayMeta):
     resolves: bool  # whether `spec` depends on the rules in force
     _passed: dict  # the layouts known to pass (see `layout.known`)
     _plain: Any  # the jaxtyping annotation this one adds a spec to
-    _fast: tuple  # (rank, _passed, dtypes, dims), read at once
-    # The fast path: a concrete array whose layout passed before (for a
-    # NamedSharding and a spec of fixed rank, `layout.known` inlined; `rank` is None
-    # for a variadic or logical annotation), of a dtype that passed before
-    # (`dtypes`), whose shape is checked by `bind_dims` where the annotation's
-    # dimensions allow (`dims`; else by jaxtyping). Any failure is checked in full
-    # below, to say all that is wrong.
+    _fast: tuple  # (rank, _passed, dtypes, dims, logical), read at once
+    # The fast path: a concrete array whose layout passed before (`layout.known`
+    # inlined, for a NamedSharding: `rank` is the annotation's, -1 for a variadic
+    # one, `None` for none; `logical`, whether the layout is known per resolved
+    # spec), of a dtype that passed before (`dtypes`), whose shape is checked by
+    # `bind_dims` where the annotation's dimensions allow (`dims`; else by
+    # jaxtyping). Any failure is checked in full below, to say all that is wrong.
 
     def __instancecheck__(cls, obj: Any) -> bool:
         # jaxtyping's (`__instancecheck_str__(obj) == ""`), with the fast path in the
         # same frame: `isinstance`, as beartype calls it, costs less than on the
         # plain annotation.
-        rank, passed, dtypes, dims = cls._fast
+        rank, passed, dtypes, dims, logical = cls._fast
         if rank is not None and type(obj) in _CONCRETE:
             sharding = obj.sharding
-            if (
-                type(sharding) is NamedSharding
-                and passed.get(sharding) == rank
-                and obj.dtype in dtypes
-            ):
-                if dims is None:
-                    if not _plain_check(cls._plain, obj):
+            if type(sharding) is NamedSharding and obj.dtype in dtypes:
+                known = passed.get((sharding, cls.known_spec) if logical else sharding)
+                if known == rank or (rank == -1 and known == obj.ndim):
+                    if dims is None:
+                        if not _plain_check(cls._plain, obj):
+                            return True
+                    elif bind_dims(dims, obj.shape):
                         return True
-                elif bind_dims(dims, obj.shape):
-                    return True
         return cls.__instancecheck_str__(obj) == ""
 
     def __instancecheck_str__(cls, obj: Any) -> str:
         if cls._skip_instancecheck:  # see `make_transparent`
             return ""
-        rank, passed, dtypes, dims = cls._fast
+        rank, passed, dtypes, dims, logical = cls._fast
         if type(obj) in _CONCRETE:
             sharding = obj.sharding
-            if type(sharding) is NamedSharding and rank is not None:
-                if passed.get(sharding) == rank and obj.dtype in dtypes:
+            if type(sharding) is not NamedSharding or rank is None:
+                if layout.known(cls, obj):
+                    return _plain_check(cls._plain, obj)
+            elif obj.dtype in dtypes:
+                known = passed.get((sharding, cls.known_spec) if logical else sharding)
+                if known == rank or (rank == -1 and known == obj.ndim):
                     if dims is None:
                         plain = _plain_check(cls._plain, obj)
                         if not plain:
                             return plain
                     elif bind_dims(dims, obj.shape):
                         return ""
-            elif layout.known(cls, obj):
-                return _plain_check(cls._plain, obj)
         value = tensors.jax_value(obj)  # a torchax tensor's jax.Array
         if isinstance(value, jax.core.Tracer):
             # Checking a tracer may leave a probe in the program: only once the
@@ -129,7 +129,7 @@ class _MetaShardedArray(ArrayMeta):
         # jaxtyping's, for the return annotation of a generator checked without a
         # typechecker: from then on the annotation passes anything, as jaxtyping's.
         super().make_transparent()
-        cls._fast = (None, {}, {}, None)
+        cls._fast = (None, {}, {}, None, False)
 
     def _check_shape(cls, obj, single_memo, variadic_memo, arg_memo) -> str:
         shape = None
@@ -166,6 +166,15 @@ class _MetaLogicalArray(_MetaShardedArray):
     @property
     def spec(cls) -> PartitionSpec:  # pyright: ignore[reportIncompatibleVariableOverride]
         return _resolved(cls.logical, cls.by_name, active_rules())
+
+    @property
+    def known_spec(cls) -> PartitionSpec | None:
+        """`spec`, or `None` if the rules in force cannot resolve it: what the
+        layouts known to pass are kept by (see `layout._key`)."""
+        try:
+            return _resolved(cls.logical, cls.by_name, active_rules())
+        except AnnotationError:
+            return None
 
     def explain(cls) -> str:
         """How the rules in force resolve the annotation's logical spec."""
@@ -246,11 +255,9 @@ def with_spec(annotation: Any, spec: Any) -> Any:
         f"{format_spec(spec) if logical is None else repr(spec)}]"
     )
     namespace = {"resolves": logical is not None, "_passed": {}, "_plain": annotation}
-    fixed = logical is None and not variadic
-    rank, dims = (
-        (len(annotation.dims), simple_dims(annotation)) if fixed else (None,) * 2
-    )
-    namespace["_fast"] = (rank, namespace["_passed"], {}, dims)
+    rank = -1 if variadic else len(annotation.dims)
+    dims = simple_dims(annotation)
+    namespace["_fast"] = (rank, namespace["_passed"], {}, dims, logical is not None)
     if logical is None:
         out = _MetaShardedArray(name, (annotation,), {**namespace, "spec": spec})
     else:

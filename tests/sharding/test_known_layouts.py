@@ -128,6 +128,56 @@ def test_the_fast_path_binds_dimensions_as_jaxtyping_does(explicit_mesh):
         f(_put((8, 4), explicit_mesh, P("dp", None)), _put((8,), explicit_mesh, P()))
 
 
+def test_the_fast_path_binds_variadic_dimensions_as_jaxtyping_does(explicit_mesh):
+    A = Float[Array, "*a d", P()]
+    B = Float[Array, "... d", P()]
+    C = Float[Array, "*#a", P()]  # broadcastable: checked by jaxtyping
+
+    @jaxshard.jaxtyped(typechecker=beartype)
+    def f(x: A, y: A, z: B):
+        return x
+
+    def call(x, y, z=(4,)):
+        f(*(_put(s, explicit_mesh, P()) for s in (x, y, z)))
+
+    for _ in range(3):  # the layouts and dtypes known: the fast path from now on
+        call((8, 2, 4), (8, 2, 4), (1, 2, 4))
+    call((5,), (5,), (7, 7, 7, 5))  # `*a` is () here
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'z'"):
+        call((8, 2, 4), (8, 2, 4), (1, 2, 5))
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'y'"):
+        call((8, 2, 4), (8, 3, 4))
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'y'"):
+        call((8, 4), (4,))  # `*a` (8,) then ()
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'x'"):
+        call((), (4,))  # fewer dimensions than the fixed ones
+
+    @jaxshard.jaxtyped(typechecker=beartype)
+    def g(x: C, y: A):
+        return x
+
+    for _ in range(2):  # `*#a` bound (1, 4): `*a` (3, 4) broadcasts with it
+        g(_put((1, 4), explicit_mesh, P()), _put((3, 4, 2), explicit_mesh, P()))
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'y'"):
+        g(_put((2, 4), explicit_mesh, P()), _put((3, 4, 2), explicit_mesh, P()))
+
+
+def test_the_fast_path_of_logical_annotations_follows_the_rules(explicit_mesh):
+    X = Float[Array, "b d", jaxshard.L("batch", None)]
+    x = _put((8, 4), explicit_mesh, P("dp", None))
+    with jaxshard.axis_rules([("batch", "dp")]):
+        assert isinstance(x, X) and isinstance(x, X)
+    with jaxshard.axis_rules([("batch", "tp")]):  # another spec: not known
+        for _ in range(2):
+            assert "expects P('tp', None)" in _reason(X, x)
+            assert not isinstance(x, X)
+    with jaxshard.axis_rules([("batch", "dp")]):
+        assert isinstance(x, X)
+    for _ in range(2):  # no rules: the full check says so
+        assert "no axis rules are in force" in _reason(X, x)
+        assert not isinstance(x, X)
+
+
 def test_the_fast_path_knows_dtypes_by_what_passed(explicit_mesh):
     X = Float[Array, "b d", P("dp", None)]
     x = _put((8, 4), explicit_mesh, P("dp", None))

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
-from hypothesis import given, HealthCheck, settings
+from hypothesis import given, HealthCheck, reject, settings
 from jax import Array
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -386,15 +386,17 @@ def test_annotation_strings_agree_with_jaxtyping(data):
 def test_repeated_checks_agree_with_jaxtyping(data):
     """The eager fast path (a layout and a dtype that passed before, the shape
     checked by jaxshard) against jaxtyping: random shape strings with a spec every
-    placement meets, the same annotations called again and again with random arrays,
-    each call's verdict and each `isinstance` jaxtyping's."""
+    placement meets (`P()`, or `L()` under rules), the same annotations called again
+    and again with random arrays, each call's verdict and each `isinstance`
+    jaxtyping's."""
     texts = [data.draw(dim_strings()) for _ in range(2)]
     dtype_name = data.draw(st.sampled_from(["Float", "Int", "Shaped", "Float32"]))
     theirs = [_make(dtype_name, jaxtyping, t) for t in texts]
     ours = [_make(dtype_name, jaxshard, t) for t in texts]
     if any(isinstance(a, Exception) for a in theirs + ours):
         return
-    ours = [getattr(jaxshard, dtype_name)[Array, t, P()] for t in texts]
+    spec = data.draw(st.sampled_from([P(), jaxshard.L()]))
+    ours = [getattr(jaxshard, dtype_name)[Array, t, spec] for t in texts]
     mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
     replicated = NamedSharding(mesh, P())
     forms = ["plain", "union", "either", "pytree", "tuple"]
@@ -403,8 +405,12 @@ def test_repeated_checks_agree_with_jaxtyping(data):
     reference = jaxtyping.jaxtyped(typechecker=beartype.beartype)(_two(*theirs, form))
     fits = jnp.int32 if dtype_name == "Int" else jnp.float32
     dtypes = st.sampled_from([fits] * 4 + [jnp.int32, jnp.bool_, jnp.bfloat16])
+    small = st.integers(1, 3)
     for _ in range(data.draw(st.integers(2, 8))):
-        sizes = {name: data.draw(st.integers(1, 3)) for name in _NAMES}
+        sizes = {name: data.draw(small) for name in _NAMES}
+        sizes |= {
+            f"*{name}": tuple(data.draw(st.lists(small, max_size=2))) for name in _NAMES
+        }
         arrays = [
             jax.device_put(
                 jnp.zeros(_shape_for(text, sizes, data), data.draw(dtypes)), replicated
@@ -412,21 +418,23 @@ def test_repeated_checks_agree_with_jaxtyping(data):
             for text in texts
         ]
         args = _args(arrays, form)
-        assert _verdict(mine, *args) == _verdict(reference, *args), (texts, form)
-        for x, a, b in zip(arrays, ours, theirs):
-            mine_, theirs_ = _outcome(isinstance, x, a), _outcome(isinstance, x, b)
-            assert mine_ == theirs_, (texts, x.shape, x.dtype)
+        with jaxshard.axis_rules([("a", None)]):
+            assert _verdict(mine, *args) == _verdict(reference, *args), (texts, form)
+            for x, a, b in zip(arrays, ours, theirs):
+                mine_, theirs_ = _outcome(isinstance, x, a), _outcome(isinstance, x, b)
+                assert mine_ == theirs_, (texts, x.shape, x.dtype)
 
 
 def _shape_for(text: str, sizes: dict, data) -> tuple[int, ...]:
     """A shape that mostly fits the shape string `text` with named dimensions of
-    `sizes`, and now and then does not."""
+    `sizes` (variadic ones under `*name`), and now and then does not."""
     small = st.integers(1, 4)
     shape = []
     for token in text.split():
         token = token.lstrip("#")
         if token.startswith("*") or token == "...":
-            shape += [data.draw(small) for _ in range(data.draw(st.integers(0, 2)))]
+            some = tuple(data.draw(small) for _ in range(data.draw(st.integers(0, 2))))
+            shape += sizes.get(token.replace("#", ""), some)
         elif token.isdigit():
             shape.append(int(token))
         else:
@@ -572,7 +580,17 @@ def test_traced_verdicts_are_jaxs(case, where, decorator, chain, how):
     if how == "eager":  # an eager grad on Explicit axes needs the mesh in context
         array = jax.device_put(jnp.ones(full), NamedSharding(mesh, spec))
         with jax.set_mesh(mesh):
-            message = rejects(lambda: fn(array))
+            try:
+                message = rejects(lambda: fn(array))
+            except ValueError as e:
+                # JAX's own eager grad fails on some mixed Auto/Explicit layouts
+                # ("Expected cotangent type float32[8@b,8,8] but got ..."), with no
+                # annotation at all: no verdict to compare.
+                if "Expected cotangent type" not in str(e):
+                    raise
+                with pytest.raises(ValueError, match="Expected cotangent type"):
+                    transformed(lambda x: x * 2, chain)(array)
+                reject()
     else:
         context = jax.set_mesh(mesh) if how == "jit in context" else _nothing()
         with context:
