@@ -156,6 +156,30 @@ def test_pickles():
             assert jaxshard.partition_spec(back) == P("fsdp", None, "tp")
 
 
+def test_a_table_is_one_object_hashed_once():
+    """Every `jax.jit` call hashes and compares the table in force (it is part of the
+    cache key): equal tables are one object, whose hash survives pickling unstored
+    (a string's hash differs between processes), and flax's table is normalised once
+    while it stays in force."""
+    from jaxshard._annotations.logical import active_rules
+
+    table = normalise(FSDP_TP, name="fsdp_tp")
+    assert normalise([list(rule) for rule in FSDP_TP], name="fsdp_tp") is table
+    assert normalise(FSDP_TP) is not table  # not equal: unnamed
+    back = pickle.loads(pickle.dumps(table))
+    assert back == table and hash(back) == hash(table)
+    assert "_hash" not in pickle.loads(pickle.dumps(table)).__getstate__()
+    with nn.logical_axis_rules(FSDP_TP):
+        first = active_rules()
+        assert (
+            first is active_rules() and first.source == "flax's nn.logical_axis_rules"
+        )
+        with nn.logical_axis_rules(FSDP):
+            assert active_rules().rules == normalise(FSDP).rules
+        assert active_rules() is first
+    assert active_rules() is None
+
+
 # --- checks ---------------------------------------------------------------------------
 
 
