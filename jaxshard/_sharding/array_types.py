@@ -48,13 +48,13 @@ _plain_check = ArrayMeta.__instancecheck_str__
 class _MetaShardedArray(ArrayMeta):
     spec: PartitionSpec
     resolves: bool  # whether `spec` depends on the rules in force
-    _passed: dict  # the layouts known to pass (see `layout.known`)
+    _passed: dict  # the layouts known to pass, by `layout.known_key`: their rank
     _plain: Any  # the jaxtyping annotation this one adds a spec to
     _fast: tuple  # (rank, _passed, dtypes, dims, logical), read at once
-    # The fast path: a concrete array whose layout passed before (`layout.known`
-    # inlined, for a NamedSharding: `rank` is the annotation's, -1 for a variadic
-    # one, `None` for none; `logical`, whether the layout is known per resolved
-    # spec), of a dtype that passed before (`dtypes`), whose shape is checked by
+    # The fast path: a concrete array of a dtype that passed before (`dtypes`) whose
+    # layout passed before (`layout.known_key`, inlined for a NamedSharding: `rank`
+    # is the annotation's, -1 for a variadic one, `None` for none; `logical`,
+    # whether the layout is known per resolved spec), its shape checked by
     # `bind_dims` where the annotation's dimensions allow (`dims`; else by
     # jaxtyping). Any failure is checked in full below, to say all that is wrong.
 
@@ -63,36 +63,36 @@ class _MetaShardedArray(ArrayMeta):
         # same frame: `isinstance`, as beartype calls it, costs less than on the
         # plain annotation.
         rank, passed, dtypes, dims, logical = cls._fast
-        if rank is not None and type(obj) in _CONCRETE:
+        if rank is not None and type(obj) in _CONCRETE and obj.dtype in dtypes:
             sharding = obj.sharding
-            if type(sharding) is NamedSharding and obj.dtype in dtypes:
+            if type(sharding) is not NamedSharding:
+                known = passed.get(layout.known_key(cls, obj))
+            else:
                 known = passed.get((sharding, cls.known_spec) if logical else sharding)
-                if known == rank or (rank == -1 and known == obj.ndim):
-                    if dims is None:
-                        if not _plain_check(cls._plain, obj):
-                            return True
-                    elif bind_dims(dims, obj.shape):
+            if known == rank or (rank == -1 and known == obj.ndim):
+                if dims is None:
+                    if not _plain_check(cls._plain, obj):
                         return True
+                elif bind_dims(dims, obj.shape):
+                    return True
         return cls.__instancecheck_str__(obj) == ""
 
     def __instancecheck_str__(cls, obj: Any) -> str:
         if cls._skip_instancecheck:  # see `make_transparent`
             return ""
         rank, passed, dtypes, dims, logical = cls._fast
-        if type(obj) in _CONCRETE:
+        if type(obj) in _CONCRETE and obj.dtype in dtypes:
             sharding = obj.sharding
-            if type(sharding) is not NamedSharding or rank is None:
-                if layout.known(cls, obj):
-                    return _plain_check(cls._plain, obj)
-            elif obj.dtype in dtypes:
+            if type(sharding) is not NamedSharding:
+                known = passed.get(layout.known_key(cls, obj))
+            else:
                 known = passed.get((sharding, cls.known_spec) if logical else sharding)
-                if known == rank or (rank == -1 and known == obj.ndim):
-                    if dims is None:
-                        plain = _plain_check(cls._plain, obj)
-                        if not plain:
-                            return plain
-                    elif bind_dims(dims, obj.shape):
+            if known == rank or (rank == -1 and known == obj.ndim):
+                if dims is None:
+                    if not _plain_check(cls._plain, obj):
                         return ""
+                elif bind_dims(dims, obj.shape):
+                    return ""
         value = tensors.jax_value(obj)  # a torchax tensor's jax.Array
         if isinstance(value, jax.core.Tracer):
             # Checking a tracer may leave a probe in the program: only once the

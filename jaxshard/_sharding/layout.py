@@ -47,7 +47,7 @@ CONCRETE: set[type] = set()  # the types of concrete jax.Arrays met so far
 _KNOWN = 64  # layouts kept per annotation
 
 
-def _key(annotation, obj: Any) -> Any:
+def known_key(annotation, obj: Any) -> Any:
     """What the verdict on the concrete array `obj` depends on besides its rank: its
     sharding, and the mesh in context and whether it is committed unless the sharding
     names its mesh, and for a logical annotation the spec the rules in force give;
@@ -66,16 +66,9 @@ def _key(annotation, obj: Any) -> Any:
     return key
 
 
-def known(annotation, obj: Any) -> bool:
-    """Whether the concrete array `obj` is known to be laid out as `annotation`
-    says: an array of its rank with its sharding passed before, in this context."""
-    key = _key(annotation, obj)
-    return key is not None and annotation._passed.get(key) == len(obj.shape)
-
-
 def _remember(annotation, obj: Any) -> None:
     passed = annotation._passed
-    key = _key(annotation, obj)
+    key = known_key(annotation, obj)
     if key is None:
         return
     if len(passed) >= _KNOWN:

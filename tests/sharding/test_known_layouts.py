@@ -85,6 +85,28 @@ def test_one_device_arrays_follow_the_mesh_in_context(explicit_mesh):
     assert isinstance(x, X)
 
 
+def test_the_fast_path_takes_one_device_arrays(explicit_mesh):
+    """Code annotated for a pod, run on one device: the arrays' shardings name no
+    mesh, and the verdict is kept with the mesh in context and whether the array is
+    committed; the shape is still bound as jaxtyping binds it."""
+    X = Float[Array, "b d", P("dp", None)]
+
+    @jaxshard.jaxtyped(typechecker=beartype)
+    def f(x: X, y: X):
+        return x
+
+    for _ in range(3):
+        f(jnp.ones((8, 4)), jnp.ones((8, 4)))
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'y'"):
+        f(jnp.ones((8, 4)), jnp.ones((8, 5)))
+    committed = jax.device_put(jnp.ones((8, 4)), jax.devices()[0])
+    with jax.set_mesh(explicit_mesh):
+        for x in (jnp.ones((8, 4)), committed):  # on one device, the mesh has 8
+            with pytest.raises(jaxshard.ShardingError):
+                f(x, x)
+    f(committed, committed)
+
+
 def test_the_known_layouts_are_bounded(explicit_mesh):
     X = Float[Array, "b d", P()]
     devices = explicit_mesh.devices.ravel()
