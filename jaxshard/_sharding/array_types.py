@@ -93,6 +93,10 @@ class _MetaShardedArray(ArrayMeta):
                         return ""
                 elif bind_dims(dims, obj.shape):
                     return ""
+        elif not layout.is_array_like(obj):
+            # Not an array (a node of a tree that `PyTree[...]` asks about, say):
+            # jaxtyping's answer, which is all there is to say.
+            return _plain_check(cls, obj)
         value = tensors.jax_value(obj)  # a torchax tensor's jax.Array
         if isinstance(value, jax.core.Tracer):
             # Checking a tracer may leave a probe in the program: only once the

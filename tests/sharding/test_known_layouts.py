@@ -6,6 +6,7 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 import jaxtyping
+import numpy as np
 import pytest
 from beartype import beartype
 from jax import Array
@@ -105,6 +106,16 @@ def test_the_fast_path_takes_one_device_arrays(explicit_mesh):
             with pytest.raises(jaxshard.ShardingError):
                 f(x, x)
     f(committed, committed)
+
+
+def test_a_value_that_is_no_array_gets_jaxtypings_answer():
+    """What `PyTree[...]` asks about a tree's nodes: jaxtyping's verdict, at once;
+    an array-like value without a sharding still hears that it has none."""
+    X = Float[Array, "b d", P("dp", None)]
+    plain = jaxtyping.Float[Array, "b d"]
+    for obj in ({"a": 1}, [1, 2], "text", None, object()):
+        assert _reason(X, obj) == type(plain).__instancecheck_str__(plain, obj) != ""
+    assert "no sharding" in _reason(X, np.ones((2, 3)))
 
 
 def test_the_known_layouts_are_bounded(explicit_mesh):
