@@ -24,6 +24,7 @@ from .._jax_internals import ArrayMeta, context_mesh
 from .array_types import partition_spec, Shaped
 from .compare import invalid
 from .describe import describe_array, describe_mesh
+from .layout import spec_global_shape
 from .signature import expect_mesh
 
 
@@ -37,7 +38,10 @@ def constrain(x: Any, annotation: Any, *, mesh: Any = None, rules: Any = None) -
     value's type already has, it is `jax.sharding.reshard`: the value's type
     changes to the annotation's layout. On a mesh of both kinds, each for its own
     axes. Eagerly it is `jax.device_put`. `P.UNCONSTRAINED` dimensions keep the
-    layout they have (on Auto axes, XLA chooses it).
+    layout they have (on Auto axes, XLA chooses it). Inside a `shard_map` body the
+    value is one block of the global array the annotation describes (its shape is
+    checked as the global one): the axes the body is manual over are shard_map's
+    and stay as its specs have them; the others are laid out as above.
 
     **Arguments:**
 
@@ -84,7 +88,13 @@ def constrain(x: Any, annotation: Any, *, mesh: Any = None, rules: Any = None) -
                 "annotated shape and dtype, or use the annotation this value has."
             )
     target = find_mesh(mesh, [value], "jaxshard.constrain")
-    reason = unfit(spec, target, value.shape)
+    shape = value.shape
+    if isinstance(value, jax.core.Tracer) and _in_shard_map(value):
+        # A block of the global array the annotation describes: laid out over the
+        # axes shard_map leaves to the compiler (none when all are manual).
+        target = jax.typeof(value).sharding.mesh
+        shape = spec_global_shape(spec, value) or shape
+    reason = unfit(spec, target, shape)
     if reason:
         raise ShardingError(
             f"jaxshard.constrain: the value ({_array(value)}) cannot be laid out as "
@@ -200,6 +210,11 @@ def lay_out(value: Any, spec: PartitionSpec, mesh: Any) -> Any:
         part = _only(spec, auto)
         value = jax.lax.with_sharding_constraint(value, NamedSharding(mesh, part))
     return value
+
+
+def _in_shard_map(value: Any) -> bool:
+    mesh = jax.typeof(value).sharding.mesh
+    return not mesh.empty and AxisType.Manual in mesh.axis_types
 
 
 def _only(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:

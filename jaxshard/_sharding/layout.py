@@ -270,8 +270,23 @@ def _unexplained(spec: PartitionSpec, aval, mesh) -> set[str]:
 
 
 def global_shape(annotation: Any, obj: Any) -> tuple[int, ...] | None:
-    """Inside `shard_map`, the global shape of which the tracer `obj` is one block;
-    else None.
+    """Inside `shard_map`, the global shape of which the tracer `obj` is one block
+    (see `spec_global_shape`), under `annotation`'s spec; else None."""
+    mesh = jax.typeof(obj).sharding.mesh
+    if mesh.empty or AxisType.Manual not in mesh.axis_types:
+        return None
+    try:
+        spec = annotation.spec
+    except AnnotationError:
+        if _config.current().sharding == "off":
+            return None  # logical names with no rules: the block's own shape
+        raise
+    return spec_global_shape(spec, obj)
+
+
+def spec_global_shape(spec: PartitionSpec, obj: Any) -> tuple[int, ...] | None:
+    """Inside `shard_map`, the global shape of which the tracer `obj` is one block,
+    as `spec` lays the global array out; else None.
 
     A dimension is the block's times the sizes of the manual axes its spec entry
     names; the one `P.UNCONSTRAINED` dimension of a spec is also split over the
@@ -282,12 +297,6 @@ def global_shape(annotation: Any, obj: Any) -> tuple[int, ...] | None:
     mesh = aval.sharding.mesh
     if mesh.empty or AxisType.Manual not in mesh.axis_types:
         return None
-    try:
-        spec = annotation.spec
-    except AnnotationError:
-        if _config.current().sharding == "off":
-            return None  # logical names with no rules: the block's own shape
-        raise
     manual = {
         n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual
     }

@@ -117,3 +117,30 @@ def test_annotations_that_say_nothing(auto_mesh):
         jaxshard.constrain(jnp.ones(8), "dp", mesh=auto_mesh)
     with pytest.raises(ValueError, match="needs a mesh"):
         jaxshard.constrain(jnp.ones(8), P("dp"))
+
+
+def test_inside_shard_map_the_annotation_is_the_global_arrays(mesh):
+    """In a shard_map body the value is one block: the annotation (or spec)
+    describes the global array, its manual axes are shard_map's (left as they are),
+    and the axes shard_map leaves to the compiler are laid out as it says."""
+    Block = Float[Array, "b d", P("dp", "tp")]
+    x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("dp", None)))
+
+    def run(body, **kwargs):
+        mapped = jax.shard_map(
+            body, mesh=mesh, in_specs=P("dp", None), out_specs=P("dp", None), **kwargs
+        )
+        with jax.set_mesh(mesh):
+            return jax.jit(mapped)(x)
+
+    for annotation in (Block, P("dp", None), Float[Array, "8 4", P("dp", None)]):
+        out = run(lambda b: jaxshard.constrain(b, annotation) * 2)  # all manual
+        assert (out == 2).all() and spec(out) == P("dp")
+    out = run(lambda b: jaxshard.constrain(b, Block) * 2, axis_names={"dp"})
+    assert (out == 2).all() and spec(out) == P("dp", "tp")  # tp laid out inside
+    with pytest.raises(jaxshard.TypeCheckError, match="one block of the global"):
+        run(lambda b: jaxshard.constrain(b, Float[Array, "8 5", P("dp", None)]))
+    with pytest.raises(jaxshard.ShardingError, match="did you mean 'dp'"):
+        run(lambda b: jaxshard.constrain(b, P("dq", None)))
+    with pytest.raises(jaxshard.ShardingError, match="does not divide it evenly"):
+        run(lambda b: jaxshard.constrain(b[:, :3], P("dp", "tp")), axis_names={"dp"})
