@@ -4,9 +4,11 @@
     annotations checked by `jaxshard.jaxtyped` against the same function with plain
     annotations under `jaxtyping.jaxtyped` (both with beartype), the specs written
     with mesh axes (`P`), with logical names under a 32-rule table (`L`), and with a
-    variadic shape (`"*b d"`, against jaxtyping's `"*b d"`); the plain annotations
-    written with jaxshard's names and decorator against jaxtyping's;
-    `isinstance(x, T)` for a sharded `T` against jaxtyping's plain `T`.
+    variadic shape (`"*b d"`, against jaxtyping's `"*b d"`), and the `P` function
+    given arrays on no mesh (`jnp.ones`: code annotated for a pod, run on one
+    device); the plain annotations written with jaxshard's names and decorator
+    against jaxtyping's; `isinstance(x, T)` for a sharded `T` against jaxtyping's
+    plain `T`.
 (b) Recompiles: how many programs XLA compiles when a compiled `checked(jax.jit(f))`
     is called again in another checks mode, under an equal rule table, or in
     `config(...)` scopes that change nothing the program depends on (target 0), and
@@ -150,6 +152,7 @@ def eager_times() -> dict:
 
     x = jax.device_put(jnp.ones((4, 4)), NamedSharding(mesh, P("dp", None)))
     y = jax.device_put(jnp.ones((4, 4)), NamedSharding(mesh, P(None, "tp")))
+    local = jnp.ones((4, 4))
     runs = {
         "sharded": per_call(jaxshard.jaxtyped(sharded, typechecker=beartype), (x, y)),
         "jaxtyping": per_call(jaxtyping.jaxtyped(plain, typechecker=beartype), (x, y)),
@@ -157,6 +160,13 @@ def eager_times() -> dict:
             jaxshard.jaxtyped(logical, typechecker=beartype), (x, y), rules=RULES
         ),
         "variadic": per_call(jaxshard.jaxtyped(variadic, typechecker=beartype), (x, x)),
+        # Code annotated for a pod, run on one device: arrays on no mesh.
+        "one device": per_call(
+            jaxshard.jaxtyped(sharded, typechecker=beartype), (local, local)
+        ),
+        "jaxtyping, one device": per_call(
+            jaxtyping.jaxtyped(plain, typechecker=beartype), (local, local)
+        ),
         "jaxtyping variadic": per_call(
             jaxtyping.jaxtyped(plain_variadic, typechecker=beartype), (x, x)
         ),
@@ -347,6 +357,8 @@ def main() -> int:
     row("(a) eager, 2 sharded args", times, "sharded", "jaxtyping", "<= 1.05")
     row("(a) eager, logical (L)", times, "logical", "jaxtyping", "<= 1.05")
     row("(a) eager, variadic", times, "variadic", "jaxtyping variadic", "<= 1.05")
+    one = ("one device", "jaxtyping, one device")
+    row("(a) eager, one-device arrays", times, *one, "<= 1.05")
     row("(a) eager, jaxshard's names", times, "named", "jaxtyping named", "<= 1.02")
     row("(a) isinstance", times, "isinstance sharded", "isinstance plain", "<= 1.05")
     times = dispatch_times()
