@@ -174,7 +174,7 @@ class _MetaLogicalArray(_MetaShardedArray):
     @property
     def known_spec(cls) -> PartitionSpec | None:
         """`spec`, or `None` if the rules in force cannot resolve it: what the
-        layouts known to pass are kept by (see `layout._key`)."""
+        layouts known to pass are kept by (see `layout.known_key`)."""
         try:
             return _resolved(cls.logical, cls.by_name, active_rules())
         except AnnotationError:
