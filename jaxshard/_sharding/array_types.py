@@ -58,25 +58,6 @@ class _MetaShardedArray(ArrayMeta):
     # `bind_dims` where the annotation's dimensions allow (`dims`; else by
     # jaxtyping). Any failure is checked in full below, to say all that is wrong.
 
-    def __instancecheck__(cls, obj: Any) -> bool:
-        # jaxtyping's (`__instancecheck_str__(obj) == ""`), with the fast path in the
-        # same frame: `isinstance`, as beartype calls it, costs less than on the
-        # plain annotation.
-        rank, passed, dtypes, dims, logical = cls._fast
-        if rank is not None and type(obj) in _CONCRETE and obj.dtype in dtypes:
-            sharding = obj.sharding
-            if type(sharding) is not NamedSharding:
-                known = passed.get(layout.known_key(cls, obj))
-            else:
-                known = passed.get((sharding, cls.known_spec) if logical else sharding)
-            if known == rank or (rank == -1 and known == obj.ndim):
-                if dims is None:
-                    if not _plain_check(cls._plain, obj):
-                        return True
-                elif bind_dims(dims, obj.shape):
-                    return True
-        return cls.__instancecheck_str__(obj) == ""
-
     def __instancecheck_str__(cls, obj: Any) -> str:
         if cls._skip_instancecheck:  # see `make_transparent`
             return ""
