@@ -89,11 +89,14 @@ def constrain(x: Any, annotation: Any, *, mesh: Any = None, rules: Any = None) -
             )
     target = find_mesh(mesh, [value], "jaxshard.constrain")
     shape = value.shape
-    if isinstance(value, jax.core.Tracer) and _in_shard_map(value):
-        # A block of the global array the annotation describes: laid out over the
-        # axes shard_map leaves to the compiler (none when all are manual).
-        target = jax.typeof(value).sharding.mesh
-        shape = spec_global_shape(spec, value) or shape
+    whole = (
+        spec_global_shape(spec, value) if isinstance(value, jax.core.Tracer) else None
+    )
+    if whole is not None:
+        # Inside shard_map, a block of the global array the annotation describes:
+        # laid out over the axes shard_map leaves to the compiler (none when all
+        # are manual).
+        target, shape = jax.typeof(value).sharding.mesh, whole
     reason = unfit(spec, target, shape)
     if reason:
         raise ShardingError(
@@ -210,11 +213,6 @@ def lay_out(value: Any, spec: PartitionSpec, mesh: Any) -> Any:
         part = _only(spec, auto)
         value = jax.lax.with_sharding_constraint(value, NamedSharding(mesh, part))
     return value
-
-
-def _in_shard_map(value: Any) -> bool:
-    mesh = jax.typeof(value).sharding.mesh
-    return not mesh.empty and AxisType.Manual in mesh.axis_types
 
 
 def _only(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
