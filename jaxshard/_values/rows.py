@@ -128,11 +128,6 @@ def _traced(packed: tuple[Any, Any]) -> bool:
     return False
 
 
-def _ready(packed: tuple[Any, Any]) -> bool:
-    """Whether the device has made a call's rows (reading them would not wait)."""
-    return all(rows is None or rows.is_ready() for rows in packed)
-
-
 def _column(values: list) -> Any:
     """`values` (int32 scalars) as a vector: a NumPy constant if none is traced."""
     if not any(isinstance(v, jax.core.Tracer) for v in values):
