@@ -45,6 +45,7 @@ shard_map_p = _shard_map_lib.shard_map_p
 class _Hooks(threading.local):
     def __init__(self):
         self.hook: Callable | None = None
+        self.on_eager: Callable | None = None
 
 
 _hooks = _Hooks()
@@ -53,12 +54,16 @@ _install_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def shard_map_outputs(hook: Callable) -> Iterator[None]:
+def shard_map_outputs(
+    hook: Callable, on_eager: Callable | None = None
+) -> Iterator[None]:
     """While in force, in this thread, every shard_map body traced runs as
     `hook(body)`, which calls `body()` and returns `(outputs, extra, done)`: with
     `done` `None`, the shard_map is unchanged; otherwise `extra` (a pytree of arrays
     the same on every device) leaves it with out_spec `P()` and, outside, `done` is
-    called with its value there. Nested uses keep the outer hook.
+    called with its value there. Nested uses keep the outer hook. An eager
+    shard_map over a concrete mesh is traced (anew at each call) inside
+    the context manager `on_eager(mesh)`.
 
     Installed on `shard_map_p` (an attribute of that instance, which every bind of
     it reads) while any thread has a hook in force, and removed when the last block
@@ -70,11 +75,11 @@ def shard_map_outputs(hook: Callable) -> Iterator[None]:
         if _installed[0] == 0:
             shard_map_p.bind_with_trace = _bind_with_hook
         _installed[0] += 1
-    _hooks.hook = hook
+    _hooks.hook, _hooks.on_eager = hook, on_eager
     try:
         yield
     finally:
-        _hooks.hook = None
+        _hooks.hook = _hooks.on_eager = None
         with _install_lock:
             _installed[0] -= 1
             if _installed[0] == 0:
@@ -113,7 +118,18 @@ def _bind_with_hook(trace, args, avals, params, /):
 
 
 def _jitted_bind(args, params):
-    """An eager shard_map, jitted: its body is then traced into a jaxpr."""
+    """An eager shard_map, jitted: its body is then traced into a jaxpr. Its
+    arguments are first laid out by its in_specs, as eager shard_map lays them out
+    (a jit would refuse one committed elsewhere, or given to a single device)."""
+    mesh = params["mesh"]
+    eager = contextlib.nullcontext()
+    if isinstance(mesh, jax.sharding.Mesh):
+        if _hooks.on_eager is not None:
+            eager = _hooks.on_eager(mesh)
+        args = [
+            jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+            for x, spec in zip(args, params["in_specs"])
+        ]
     made: list = []
 
     def staged(*inner):
@@ -124,5 +140,6 @@ def _jitted_bind(args, params):
         made.append(out)
         return list(out)
 
-    flat = jax.jit(staged)(*args)
+    with eager:
+        flat = jax.jit(staged)(*args)
     return made[-1].update(flat)

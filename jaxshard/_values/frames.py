@@ -372,7 +372,24 @@ def recording_into(scope: Any) -> Iterator[None]:
     """Checks made in the block record into `scope` (a `Frame`, or a `checked`
     function's `Scope`), those inside any shard_map body JAX traces meanwhile too
     (`jax.shard_map` too, not only `jaxshard.shard_map`): see `_through_frame`."""
-    with _config.overriding(check_scope=scope), shard_map_outputs(_through_frame):
+    with (
+        _config.overriding(check_scope=scope),
+        shard_map_outputs(_through_frame, _on_eager_shard_map),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def _on_eager_shard_map(mesh: Any) -> Iterator[None]:
+    """An un-jitted `checked` function calls a shard_map over `mesh`, traced anew
+    at each call: its checks' state goes there, if the call's arguments put it on no
+    mesh, and lives until it is read (see `Scope.per_call`)."""
+    scope = _config.current().check_scope
+    if isinstance(scope, Frame) or scope is None:
+        yield
+        return
+    scope.move_to(mesh)
+    with scope.per_call():
         yield
 
 

@@ -10,10 +10,12 @@ jit, scan, vmap and autodiff.
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import functools as ft
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -95,6 +97,8 @@ class Scope:
         self._asked: collections.deque[tuple[Any, list]] = collections.deque()
         self._found: dict[Any, np.ndarray] = {}  # by `frames.Frame`
         self._copy: bool | None = None  # whether findings are copied to the host
+        self._per_call = 0  # inside `per_call`
+        self._dropped: set[int] = set()  # sites to drop once read (`per_call`)
 
     def next_call(self) -> int:
         if self._generation != _generation[0]:
@@ -188,6 +192,26 @@ class Scope:
         call = np.int32(self.next_call())
         set_ref_contents(calls, jax.device_put(call, self.placement))
 
+    def move_to(self, mesh: Any) -> None:
+        """The current call's checks' state goes on `mesh` (replicated), if no
+        mesh held it: the call runs a shard_map over `mesh` on arguments that were on
+        none (a program mixing the two placements would be refused)."""
+        if self.placement is not None:
+            return
+        self.placement = _replicated(mesh)
+        _, calls = self.refs()
+        set_ref_contents(calls, jax.device_put(np.int32(self._call), self.placement))
+
+    @contextlib.contextmanager
+    def per_call(self) -> Iterator[None]:
+        """Sites added in the block belong to one call's program (an eager
+        shard_map's, traced at each call): dropped once their failures are read."""
+        self._per_call += 1
+        try:
+            yield
+        finally:
+            self._per_call -= 1
+
     def add(self, sites: list[Site]) -> State:
         """Gives `sites` (those of one `check` call) their state, placed where this
         call's programs run."""
@@ -197,6 +221,8 @@ class Scope:
             for row, site in enumerate(sites):
                 site.state, site.row, site.order = state, row, len(self.sites)
                 self.sites.append(site)
+                if self._per_call:
+                    self._dropped.add(id(site))
         return state
 
     def take_failures(self, deferred: bool) -> list[Failure]:
@@ -206,7 +232,12 @@ class Scope:
         for frame in sorted(self._found, key=lambda frame: frame.number):
             failures += frame.failures(self._found[frame], deferred)
         self._found.clear()
-        return failures + self._take_ref_failures(deferred)
+        failures += self._take_ref_failures(deferred)
+        if self._dropped:
+            with self._lock:
+                self.sites = [s for s in self.sites if id(s) not in self._dropped]
+                self._dropped.clear()
+        return failures
 
     def _take_ref_failures(self, deferred: bool) -> list[Failure]:
         raised = []

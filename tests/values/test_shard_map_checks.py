@@ -238,6 +238,27 @@ def test_deferred_mode_names_the_call(mesh):
     assert found.device == {"dp": 1, "tp": 0}
 
 
+def test_an_eager_shard_map_on_arrays_on_no_mesh(auto_mesh):
+    # Eager shard_map lays out arrays on one device (jnp.arange) itself; the
+    # checks' state then lives on its mesh too, and each call's is dropped once read.
+    mapped = _made("function", auto_mesh)
+    f = jaxshard.checked(lambda x: mapped(x) + 1)
+    x = jnp.arange(8.0)
+    for _ in range(3):
+        assert f(x).sharding.spec == P("dp")
+    assert f.scope.sites == []
+    (found,) = failures(f, x + 48)
+    assert found.message == "big 50.0" and found.device == {"dp": 1, "tp": 0}
+    with pytest.raises(jaxshard.CheckError) as e:
+        with jaxshard.deferred_checks():
+            f(x)
+            f(x + 48)
+            f(x + 100)
+    found = e.value.failures[0]
+    assert found.message == "big 50.0" and found.call == 1
+    assert f.scope.sites == []
+
+
 # --- what does not change ------------------------------------------------------------
 
 
