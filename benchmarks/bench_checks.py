@@ -430,13 +430,15 @@ def _program_alone(f, mode: str, args: tuple):
     read; in "deferred" mode nothing. (jaxshard's own internals: the benchmark's way
     to tell the wrapper's host time from the program's.)"""
     from jaxshard._values.frames import _compiled
+    from jaxshard._values.records import Scope
+    from jaxshard._values.rows import _read
 
-    program = _compiled(jax.jit(f))
+    program = _compiled(jax.jit(f), Scope("program"))
 
     def call(*args):
-        out, findings = program(*args)
+        out, rows = program(*args)
         if mode == "raise":
-            assert not findings.read()[1]
+            assert not _read(rows)[1]
         return out
 
     return call
@@ -445,7 +447,7 @@ def _program_alone(f, mode: str, args: tuple):
 # --- (e) loops shaped differently ---------------------------------------------------
 
 # (devices, MLP width, steps per run)
-SHAPES = (
+LOOP_SHAPES = (
     [(1, 128, 20), (8, 256, 10)]
     if QUICK
     else [(1, 128, 200), (1, 512, 100), (1, 1024, 40), (1, 512, 400), (8, 256, 100)]
@@ -792,7 +794,7 @@ def main() -> int:
         # Per number of devices, every round's ratio of every loop: the median of
         # those varies less from run to run than that of one loop's rounds.
         pooled: dict[int, list[list[float]]] = {}
-        for devices, width, steps in SHAPES:
+        for devices, width, steps in LOOP_SHAPES:
             times = shaped_loops(devices, width, steps)
             ratios = [round_ratios(times, a, b) for a, b in pairs]
             kept = pooled.setdefault(devices, [[] for _ in pairs])

@@ -264,7 +264,7 @@ def dispatch_times() -> dict:
     # What deferred mode asks once per `_READ_AFTER` calls: whether any failed.
     from jaxshard._values.records import _any_failed
 
-    batch = [rows for _ in range(_READ_AFTER) for rows in program(x)[1].values()]
+    batch = [program(x)[1] for _ in range(_READ_AFTER)]
 
     def ask(batch):
         return _any_failed(batch)
@@ -290,8 +290,9 @@ def _compiled(fn):
     """The program `checked(fn)` runs, with its checks' findings among its outputs:
     called directly, what the wrapper adds is the rest (jaxshard's internals)."""
     from jaxshard._values.frames import _compiled
+    from jaxshard._values.records import Scope
 
-    return _compiled(fn)
+    return _compiled(fn, Scope("program"))
 
 
 # --- (d) first call; (e) import -----------------------------------------------------

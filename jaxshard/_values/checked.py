@@ -91,7 +91,7 @@ def checked(fn: Any = None, *, inputs_finite: Any = False) -> Any:
     named = tensors.compiled_function(fn) or fn  # torchax.compile(f): f
     scope = Scope(getattr(named, "__qualname__", repr(named)))
     run = with_input_checks(fn, inputs_finite, scope.name)
-    compiled = _compiled(run)
+    compiled = _compiled(run, scope)
 
     @ft.wraps(fn)
     def wrapper(*args, **kwargs):

@@ -78,13 +78,17 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def _compiled(fn: Callable) -> Callable | None:
-    """`fn` as a program that also returns what its checks found, `{frame: (once,
-    states)}` (see `Frame.packed`), if `fn` is a `jax.jit` function; else `None`.
+def _compiled(fn: Callable, scope: Any) -> Callable | None:
+    """`fn` as a program that also returns what its checks found, if `fn` is a
+    `jax.jit` function; else `None`. What they found is `(once, states)` (see
+    `Frame.packed`) for the first frame of the `checked` function's `scope` (its
+    first trace: `Scope.first`), and `{frame: (once, states)}` for the others.
 
-    The frame is the dict's key: the tree's structure, which the jit cache gives
-    back with each call's rows, and JAX makes a dict without calling into Python (a
-    class of ours would cost a microsecond a call).
+    A function is usually traced once: its rows alone are the cheapest output (a
+    dict costs JAX's dispatch half a microsecond more). The frame of any later
+    trace is the dict's key, the tree's structure, which the jit cache gives back
+    with each call's rows, and which JAX makes without calling into Python (a class
+    of ours would cost a microsecond a call).
 
     `jax.jit` of the function `fn` wraps, with what `fn` was given (see
     `jit_parameters`): static and donated arguments, shardings and layouts, device,
@@ -100,6 +104,8 @@ def _compiled(fn: Callable) -> Callable | None:
         frame = Frame()
         with recording_into(frame):
             out = fun(*args, **kwargs)
+        if scope.first(frame):
+            return out, frame.packed()
         return out, {frame: frame.packed()}
 
     kept = {k: v for k, v in params.items() if k not in ("fun", "out_shardings")}

@@ -96,6 +96,7 @@ class Scope:
         # `None` for a batch read call by call; the calls).
         self._asked: collections.deque[tuple[Any, list]] = collections.deque()
         self._found: dict[Any, np.ndarray] = {}  # by `frames.Frame`
+        self._first: Any = None  # the first frame traced (see `first`)
         self._copy: bool | None = None  # whether findings are copied to the host
         self._per_call = 0  # inside `per_call`
         self._dropped: set[int] = set()  # sites to drop once read (`per_call`)
@@ -107,12 +108,23 @@ class Scope:
         self._call += 1
         return self._call
 
-    def found(self, found: dict, mode: str) -> None:
-        """Takes what a compiled call found, `{frame: rows}` (see `_compiled`): in
-        "raise" mode reads the rows at once; in "deferred" mode reads only those of
-        calls the device has finished, so the host never waits. Every call pays for
-        this: it is written for speed."""
-        ((frame, packed),) = found.items()
+    def first(self, frame: Any) -> bool:
+        """Whether `frame` is the first traced for this function (see
+        `frames._compiled`); called while its program is traced."""
+        with self._lock:
+            if self._first is None:
+                self._first = frame
+            return self._first is frame
+
+    def found(self, found: Any, mode: str) -> None:
+        """Takes what a compiled call found, the first frame's rows or `{frame:
+        rows}` (see `_compiled`): in "raise" mode reads the rows at once; in
+        "deferred" mode reads only those of calls the device has finished, so the
+        host never waits. Every call pays for this: it is written for speed."""
+        if type(found) is tuple:
+            frame, packed = self._first, found
+        else:
+            ((frame, packed),) = found.items()
         if _traced(packed):
             raise _inside_a_trace(self.name)
         if mode == "raise":
