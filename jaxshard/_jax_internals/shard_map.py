@@ -118,16 +118,19 @@ def _bind_with_hook(trace, args, avals, params, /):
 
 
 def _jitted_bind(args, params):
-    """An eager shard_map, jitted: its body is then traced into a jaxpr. Its
-    arguments are first laid out by its in_specs, as eager shard_map lays them out
-    (a jit would refuse one committed elsewhere, or given to a single device)."""
+    """An eager shard_map, jitted: its body is then traced into a jaxpr. Arguments
+    on other devices than the mesh's (`jnp.arange`'s, on one) are first laid out by
+    the in_specs, as eager shard_map lays them out: a jit would refuse them."""
     mesh = params["mesh"]
     eager = contextlib.nullcontext()
     if isinstance(mesh, jax.sharding.Mesh):
         if _hooks.on_eager is not None:
             eager = _hooks.on_eager(mesh)
+        devices = set(mesh.devices.flat)
         args = [
-            jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+            x
+            if getattr(getattr(x, "sharding", None), "device_set", None) == devices
+            else jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
             for x, spec in zip(args, params["in_specs"])
         ]
     made: list = []
