@@ -67,7 +67,7 @@ import jaxshard  # noqa: E402
 
 QUICK = "--quick" in sys.argv[1:]  # a smoke test of the script, not a measurement
 ROUNDS = {"eager": 3, "dispatch": 3, "first": 1, "import": 2} if QUICK else {}
-ROUNDS = {"eager": 21, "dispatch": 21, "first": 11, "import": 9} | ROUNDS
+ROUNDS = {"eager": 21, "dispatch": 31, "first": 21, "import": 9} | ROUNDS
 CALLS = 300 if QUICK else 3000
 
 X = jaxshard.Float[Array, "b d", P("dp", None)]
