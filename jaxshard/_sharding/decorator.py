@@ -18,7 +18,8 @@ from .._jax_internals import ArrayMeta, jit_parameters
 
 class _Notes(threading.local):
     def __init__(self):
-        self.frames: list[list[tuple[str, str, str, bool]]] = []
+        # Per `jaxshard.jaxtyped` call in progress, its notes (`None` for none yet).
+        self.frames: list[list[tuple[str, str, str, bool]] | None] = []
         # Per call (by depth), the tracers it probed, by (id, annotation): made
         # when the first probe is, as most calls are eager.
         self.probed: dict[int, dict[tuple[int, Any], Any]] = {}
@@ -34,11 +35,15 @@ def note_failure(
     `jaxshard.jaxtyped` call's error message: a sharding check, or
     (`sharding=False`) the shape check of a `shard_map` block. Costs nothing when no
     such call is active."""
-    if _notes.frames:
+    frames = _notes.frames
+    if frames:
         from .describe import where
 
         function, name = where(obj, annotation)
-        _notes.frames[-1].append((function, name, reason, sharding))
+        notes = frames[-1]
+        if notes is None:  # the call's first note (see `_with_notes`)
+            notes = frames[-1] = []
+        notes.append((function, name, reason, sharding))
 
 
 def probed_before(x: Any, annotation: Any) -> bool:
@@ -94,11 +99,14 @@ def _with_notes(checked, fn):
         __tracebackhide__ = True
         if getattr(wrapper, "__no_type_check__", False):
             return fn(*args, **kwargs)  # `typing.no_type_check` above this decorator
-        _notes.frames.append([])
+        # Every call pays for this: the call's notes are a list only once one is
+        # made (`note_failure`).
+        frames = _notes.frames
+        frames.append(None)
         try:
             return checked(*args, **kwargs)
         except TypeCheckError as e:
-            notes = _notes.frames[-1]
+            notes = frames[-1] or []
             if isinstance(e, ShardingError):
                 raise
             error = ShardingError if any(n[3] for n in notes) else TypeCheckError
@@ -107,8 +115,8 @@ def _with_notes(checked, fn):
             raise error(_message(str(e), notes, fn, args, kwargs)) from None
         finally:
             if _notes.probed:
-                _notes.probed.pop(len(_notes.frames), None)
-            _notes.frames.pop()
+                _notes.probed.pop(len(frames), None)
+            frames.pop()
 
     wrapper.__jaxshard_jaxtyped__ = True
     return wrapper
