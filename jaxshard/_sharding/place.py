@@ -29,6 +29,7 @@ from .._jax_internals import ArrayMeta
 from .array_types import partition_spec
 from .constrain import find_mesh, lay_out, unfit
 from .describe import describe_array
+from .layout import spec_global_shape
 from .signature import _input_spec
 from .tree import (
     _annotation,
@@ -187,7 +188,7 @@ def checked_plan(
     failures = [
         (f.where, _array(f.value), reason)
         for f in placed
-        if (reason := unfit(f.spec, target, tuple(np.shape(f.value))))
+        if (reason := unfit(f.spec, *_laid_out_on(f, target)))
     ]
     if failures:
         raise ShardingError(
@@ -198,12 +199,25 @@ def checked_plan(
     return found, treedef, target
 
 
+def _laid_out_on(f: Planned, target: Any) -> tuple[Any, tuple[int, ...]]:
+    """The mesh `f`'s value is laid out on, and the shape its annotation describes:
+    `target` and the value's shape, but inside a `shard_map` body the body's mesh
+    (its manual axes are shard_map's) and the global array of which the value is
+    one block (`spec_global_shape`), as `jaxshard.constrain` has them."""
+    if isinstance(f.value, jax.core.Tracer) and f.spec is not None:
+        whole = spec_global_shape(f.spec, f.value)
+        if whole is not None:
+            return jax.typeof(f.value).sharding.mesh, whole
+    return target, tuple(np.shape(f.value))
+
+
 def _mismatches(found: list[Planned]) -> list[tuple[str, str]]:
     """`(path, reason)` for each annotated leaf whose shape or dtype is not its
     annotation's, with one set of dimension bindings for the whole tree. Each is
     checked as a tracer of its shape and dtype, so that numpy arrays and
-    `jax.ShapeDtypeStruct`s are checked as the arrays they will become."""
-    annotated, structs, failures = [], [], []
+    `jax.ShapeDtypeStruct`s are checked as the arrays they will become (and a
+    block of a shard_map body as the global array, see `_laid_out_on`)."""
+    annotated, structs, described, failures = [], [], [], []
     for f in found:
         if f.annotation is None:
             continue
@@ -213,15 +227,20 @@ def _mismatches(found: list[Planned]) -> list[tuple[str, str]]:
         except TypeError:
             failures.append((f.where, f"it is not an array ({type(f.value).__name__})"))
             continue
+        shape = _laid_out_on(f, None)[1]
+        what = _array(f.value)
+        if shape != np.shape(f.value):
+            what += f", one block of the global {describe_array(dtype, shape)}"
         annotated.append(f)
-        structs.append(jax.ShapeDtypeStruct(np.shape(f.value), dtype))
+        structs.append(jax.ShapeDtypeStruct(shape, dtype))
+        described.append(what)
 
     def check(*values):
         with jaxtyping.jaxtyped("context"):
-            for f, x in zip(annotated, values):
+            for f, what, x in zip(annotated, described, values):
                 reason = ArrayMeta.__instancecheck_str__(f.annotation, x)
                 if reason:
-                    failures.append((f.where, f"{_array(f.value)}: {reason}"))
+                    failures.append((f.where, f"{what}: {reason}"))
 
     if annotated:
         jax.eval_shape(check, *structs)
@@ -256,7 +275,11 @@ def device_put(
         created inside a jitted function comes out placed, so that it never exists
         whole on one device;
     - `jax.ShapeDtypeStruct`s (from `jax.eval_shape`) come back with their
-        `sharding` set, for `jaxshard.verify`'s `values=` or `jax.jit(...).lower`.
+        `sharding` set, for `jaxshard.verify`'s `values=` or `jax.jit(...).lower`;
+    - inside a `shard_map` body, as `jaxshard.constrain` does: each array is one
+        block of the global array its annotation describes (its shape is checked
+        as the global one), the axes the body is manual over stay shard_map's, and
+        the others are laid out.
 
     **Arguments:**
 
@@ -301,7 +324,7 @@ def device_put(
             sharding = NamedSharding(target, _input_spec(f.spec))
             done[i] = _abstract(f.value, sharding)
         elif isinstance(f.value, jax.core.Tracer):
-            done[i] = lay_out(f.value, f.spec, target)
+            done[i] = lay_out(f.value, f.spec, _laid_out_on(f, target)[0])
         else:
             eager.append(i)
     if eager:

@@ -165,6 +165,36 @@ def test_uneven_or_missing_axes_are_jaxshard_errors(mesh):
         jaxshard.device_put(init(jax.random.key(0)), mesh, rules=MISSING)
 
 
+def test_inside_shard_map_each_array_is_a_block_of_the_annotated_one(mesh):
+    """In a shard_map body, as for `constrain`: each annotation describes the global
+    array (shape and divisibility checked on it), the manual axes stay shard_map's
+    and the others are laid out."""
+    Tree = dict[str, Float[Array, "b d", P("dp", "tp")]]
+    Fixed = dict[str, Float[Array, "8 4", P("dp", "tp")]]
+    x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("dp", None)))
+
+    def run(annotation, b=lambda b: b):
+        def body(block):
+            return jaxshard.device_put({"w": b(block) * 2}, annotation=annotation)["w"]
+
+        mapped = jax.shard_map(
+            body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"), axis_names={"dp"}
+        )
+        with jax.set_mesh(mesh):
+            return jax.jit(mapped)(x)
+
+    for annotation in (Tree, Fixed):  # dp is 4 devices: each block is [2, 4]
+        out = run(annotation)
+        assert (out == 2).all() and spec(out) == P("dp", "tp")  # tp laid out inside
+    with pytest.raises(jaxshard.TypeCheckError) as e:
+        run(dict[str, Float[Array, "8 5", P("dp", "tp")]])
+    assert "tree['w']: float32[2,4], one block of the global float32[8,4]" in str(
+        e.value
+    )
+    with pytest.raises(jaxshard.ShardingError, match="does not divide it evenly"):
+        run(Tree, lambda b: b[:, :3])
+
+
 def test_no_mesh_says_how_to_give_one():
     with pytest.raises(ValueError, match="needs a mesh"):
         jaxshard.device_put(init(jax.random.key(0)), rules=RULES)
