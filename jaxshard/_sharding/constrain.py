@@ -88,15 +88,7 @@ def constrain(x: Any, annotation: Any, *, mesh: Any = None, rules: Any = None) -
                 "annotated shape and dtype, or use the annotation this value has."
             )
     target = find_mesh(mesh, [value], "jaxshard.constrain")
-    shape = value.shape
-    whole = (
-        spec_global_shape(spec, value) if isinstance(value, jax.core.Tracer) else None
-    )
-    if whole is not None:
-        # Inside shard_map, a block of the global array the annotation describes:
-        # laid out over the axes shard_map leaves to the compiler (none when all
-        # are manual).
-        target, shape = jax.typeof(value).sharding.mesh, whole
+    target, shape = laid_out_on(spec, value, target)
     reason = unfit(spec, target, shape)
     if reason:
         raise ShardingError(
@@ -105,6 +97,18 @@ def constrain(x: Any, annotation: Any, *, mesh: Any = None, rules: Any = None) -
             "the mesh."
         )
     return lay_out(value, spec, target)
+
+
+def laid_out_on(spec: PartitionSpec, value: Any, target: Any) -> tuple[Any, tuple]:
+    """The mesh `value` is laid out on, and the shape `spec` describes: `target`
+    and the value's shape; inside a `shard_map` body, the body's mesh (the axes it
+    is manual over are shard_map's, the others the compiler's) and the global array
+    of which the value is one block (`spec_global_shape`)."""
+    if isinstance(value, jax.core.Tracer):
+        whole = spec_global_shape(spec, value)
+        if whole is not None:
+            return jax.typeof(value).sharding.mesh, whole
+    return target, tuple(np.shape(value))
 
 
 def spec_of(annotation: Any) -> tuple[PartitionSpec, Any]:

@@ -27,9 +27,8 @@ from .._annotations.spec import fill_unconstrained
 from .._errors import ShardingError, TypeCheckError
 from .._jax_internals import ArrayMeta
 from .array_types import partition_spec
-from .constrain import find_mesh, lay_out, unfit
+from .constrain import find_mesh, laid_out_on, lay_out, unfit
 from .describe import describe_array
-from .layout import spec_global_shape
 from .signature import _input_spec
 from .tree import (
     _annotation,
@@ -200,15 +199,11 @@ def checked_plan(
 
 
 def _laid_out_on(f: Planned, target: Any) -> tuple[Any, tuple[int, ...]]:
-    """The mesh `f`'s value is laid out on, and the shape its annotation describes:
-    `target` and the value's shape, but inside a `shard_map` body the body's mesh
-    (its manual axes are shard_map's) and the global array of which the value is
-    one block (`spec_global_shape`), as `jaxshard.constrain` has them."""
-    if isinstance(f.value, jax.core.Tracer) and f.spec is not None:
-        whole = spec_global_shape(f.spec, f.value)
-        if whole is not None:
-            return jax.typeof(f.value).sharding.mesh, whole
-    return target, tuple(np.shape(f.value))
+    """`constrain.laid_out_on` for a leaf (its value as it is, if nothing says its
+    layout)."""
+    if f.spec is None:
+        return target, tuple(np.shape(f.value))
+    return laid_out_on(f.spec, f.value, target)
 
 
 def _mismatches(found: list[Planned]) -> list[tuple[str, str]]:
@@ -216,7 +211,7 @@ def _mismatches(found: list[Planned]) -> list[tuple[str, str]]:
     annotation's, with one set of dimension bindings for the whole tree. Each is
     checked as a tracer of its shape and dtype, so that numpy arrays and
     `jax.ShapeDtypeStruct`s are checked as the arrays they will become (and a
-    block of a shard_map body as the global array, see `_laid_out_on`)."""
+    block of a shard_map body as the global array, see `laid_out_on`)."""
     annotated, structs, described, failures = [], [], [], []
     for f in found:
         if f.annotation is None:
