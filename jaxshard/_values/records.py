@@ -198,11 +198,14 @@ class Scope:
 
     def begin_call(self, args: tuple, kwargs: dict) -> None:
         self.placement = _placement(args, kwargs)
+        self._send_call(self.next_call())
+
+    def _send_call(self, call: int) -> None:
+        """Puts the call index in the counter Ref of the current placement: as a
+        transfer, not as an operation, so a `checked` call costs one host-to-device
+        copy before the program."""
         _, calls = self.refs()
-        # The call index goes to the device as a transfer, not as an operation: a
-        # `checked` call then costs one host-to-device copy before the program.
-        call = np.int32(self.next_call())
-        set_ref_contents(calls, jax.device_put(call, self.placement))
+        set_ref_contents(calls, jax.device_put(np.int32(call), self.placement))
 
     def move_to(self, mesh: Any) -> None:
         """The current call's checks' state goes on `mesh` (replicated), if no
@@ -211,8 +214,7 @@ class Scope:
         if self.placement is not None:
             return
         self.placement = _replicated(mesh)
-        _, calls = self.refs()
-        set_ref_contents(calls, jax.device_put(np.int32(self._call), self.placement))
+        self._send_call(self._call)
 
     @contextlib.contextmanager
     def per_call(self) -> Iterator[None]:
