@@ -322,9 +322,8 @@ def import_times() -> dict:
     # As an installed package imports: from cached bytecode (pip compiles it on
     # install), which the warm-up run writes here if it is missing.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    times: dict = {"jax": [], "jax, then jaxshard": []}
 
-    def run() -> None:
+    def run() -> tuple[float, float]:
         out = subprocess.run(
             [sys.executable, "-c", _IMPORT],
             capture_output=True,
@@ -333,14 +332,14 @@ def import_times() -> dict:
             env=env,
         )
         jax_alone, both = map(float, out.stdout.split())
-        times["jax"].append(jax_alone)
-        times["jax, then jaxshard"].append(both)
+        return jax_alone, both
 
     run()  # warm up
-    times = {k: [] for k in times}
-    for _ in range(ROUNDS["import"]):
-        run()
-    return times
+    rounds = [run() for _ in range(ROUNDS["import"])]
+    return {
+        "jax": [jax_alone for jax_alone, _ in rounds],
+        "jax, then jaxshard": [both for _, both in rounds],
+    }
 
 
 # --- the table ----------------------------------------------------------------------
