@@ -10,12 +10,13 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class Dim:
-    """One dimension of an annotation's shape string.
+    """One dimension of an annotation's shape string, read as jaxtyping reads it.
 
     `kind` is "fixed" (`3`), "named" (`batch`, `#batch`, `_batch`), "symbolic"
     (`batch-1`), "variadic" (`*batch`, `...`) or "anonymous" (`_`). `name` is the key
     looked up in `dims`: the dimension's name without modifiers, the expression of a
-    symbolic dimension, "..." for `...`, and "_" for `_`.
+    symbolic dimension, "..." for `...`, and "_" for `_`. A `name=` prefix only
+    documents (`rows=4` is the fixed size 4, `n=a+b` the expression `a+b`).
     """
 
     token: str
@@ -23,26 +24,41 @@ class Dim:
     name: str
     position: int  # index in the shape string
     size: int | None = None  # of a fixed dimension
+    broadcastable: bool = False  # `#batch`: a size of 1 matches any
+    checked: bool = True  # False for `_batch`: named only to document it
 
 
 def dimensions(annotation: Any) -> list[Dim]:
     """The dimensions of a jaxtyping annotation, in order."""
-    out = []
-    for position, token in enumerate(annotation.dim_str.split()):
-        bare = token.lstrip("#?")
-        if bare == "...":
-            out.append(Dim(token, "variadic", "...", position))
-        elif bare.startswith("*"):
-            out.append(Dim(token, "variadic", bare.lstrip("*#?_"), position))
-        elif bare.isdigit():
-            out.append(Dim(token, "fixed", bare, position, int(bare)))
-        elif bare == "_":
-            out.append(Dim(token, "anonymous", "_", position))
-        elif bare.lstrip("_").isidentifier():
-            out.append(Dim(token, "named", bare.lstrip("_"), position))
+    return [dimension(t, i) for i, t in enumerate(annotation.dim_str.split())]
+
+
+def dimension(token: str, position: int = 0) -> Dim:
+    """One token of a shape string that jaxtyping accepted: its modifiers (`#`
+    broadcastable, `*` variadic, `_` unchecked, `?` tree path) and `name=` prefixes,
+    in any order, then a name, a size or an expression (jaxtyping 0.3's grammar)."""
+    if "..." in token:
+        return Dim(token, "variadic", "...", position)
+    rest, seen = token, ""
+    while rest:
+        if rest[0] in "#*_?" and rest[0] not in seen:
+            seen, rest = seen + rest[0], rest[1:]
+        elif rest.count("=") == 1:
+            rest = rest.split("=")[1]
         else:
-            out.append(Dim(token, "symbolic", bare, position))
-    return out
+            break
+    flags = {"broadcastable": "#" in seen, "checked": "_" not in seen}
+    if "*" in seen:
+        return Dim(token, "variadic", rest, position, **flags)
+    if not rest:
+        return Dim(token, "anonymous", "_", position)
+    if rest.isidentifier():
+        return Dim(token, "named", rest, position, **flags)
+    try:
+        size = int(rest)
+    except ValueError:
+        return Dim(token, "symbolic", rest, position, **flags)
+    return Dim(token, "fixed", str(size), position, size, **flags)
 
 
 def _names(expression: str) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from .._errors import AnnotationError
+from .dims import dimension
 
 
 def axes_of(entry: Any) -> tuple[str, ...]:
@@ -164,7 +165,7 @@ def parse_compact(text: str) -> tuple[str, PartitionSpec]:
                 entry = names
             else:
                 entry = axes
-        if dim.lstrip("#?_").startswith("*") or dim == "...":
+        if dimension(dim).kind == "variadic":
             if entry is not None:
                 raise AnnotationError(
                     f"In {text!r} the variadic dimension {dim!r} is sharded, but a "

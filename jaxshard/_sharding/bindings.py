@@ -118,17 +118,16 @@ def _bind(annotation: Any, shape: tuple, where: str, bound: dict) -> str:
     if not variadic and len(shape) != len(dims):
         return ""
     for i, dim in enumerate(dims):
-        bare = dim.token.lstrip("#?")
-        if dim.kind != "named" or bare.startswith("_"):  # `_d`: not checked
+        if dim.kind != "named" or not dim.checked:  # `_d`: not checked
             continue
         size = shape[i] if not variadic or i < variadic[0] else shape[i - len(dims)]
-        if "#" in dim.token and size == 1:  # broadcasts against any size
+        if dim.broadcastable and size == 1:  # broadcasts against any size
             continue
         if dim.name not in bound:
             bound[dim.name] = (size, where, shape)
             continue
         first, first_where, first_shape = bound[dim.name]
-        if first == 1 and "#" in dim.token:
+        if first == 1 and dim.broadcastable:
             continue
         if first != size:
             if first_where == where:

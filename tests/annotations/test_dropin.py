@@ -9,8 +9,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jaxtyping
+import numpy as np
 import pytest
 from jax import Array
+from jax.sharding import PartitionSpec as P
 
 import jaxshard
 from jaxshard import Float
@@ -257,3 +259,51 @@ def test_decorating_a_jitted_function(explicit_mesh):
         f(jax.device_put(jnp.ones(8), NamedSharding(explicit_mesh, P())), 3)
     with pytest.raises(jaxtyping.TypeCheckError):
         f(jnp.ones((8, 2)), 3)
+
+
+# Strings from jaxtyping's documentation of its grammar, each with arrays that pass
+# and fail it: a `name=` prefix only documents (`foo=4` is 4), before or after a
+# modifier.
+_GRAMMAR = [
+    ("foo=4", [(4,)], [(3,)]),
+    ("bar qux foo=bar+qux", [(2, 3, 5)], [(2, 3, 4)]),
+    ("bar #foo=bar", [(3, 3), (3, 1)], [(3, 2)]),
+    ("bar foo=#bar", [(3, 3), (3, 1)], [(3, 2)]),
+    ("rows=3 cols=4", [(3, 4)], [(4, 3)]),
+    ("_*b d", [(2, 5, 3), (3,)], [()]),
+    ("n=*b d", [(2, 5, 3), (3,)], [()]),
+]
+
+
+@pytest.mark.parametrize("text, passing, failing", _GRAMMAR)
+def test_every_string_jaxtyping_accepts(text, passing, failing):
+    """Each is made (long form and, sharded, the compact syntax) and checked as
+    jaxtyping checks it."""
+    ours = jaxshard.Float[np.ndarray, text]
+    theirs = jaxtyping.Float[np.ndarray, text]
+    sharded = jaxshard.Float[Array, text, P()]
+
+    def verdicts(annotation, shapes, make):
+        @jaxshard.jaxtyped(typechecker=beartype.beartype)
+        def f(x: annotation):
+            return x
+
+        out = []
+        for shape in shapes:
+            try:
+                f(make(shape))
+                out.append(True)
+            except jaxtyping.TypeCheckError:
+                out.append(False)
+        return out
+
+    for shapes, expected in ((passing, True), (failing, False)):
+        assert verdicts(theirs, shapes, np.zeros) == [expected] * len(shapes)
+        assert verdicts(ours, shapes, np.zeros) == [expected] * len(shapes)
+        assert verdicts(sharded, shapes, jnp.zeros) == [expected] * len(shapes)
+    first = text.split()[0]
+    if "*" not in first:
+        compact = jaxshard.sharded(jaxshard.Float, f"[{first}/x]{text[len(first) :]}")
+        assert compact.dim_str == text
+        rest = [None] * (len(text.split()) - 1)
+        assert jaxshard.partition_spec(compact) == P("x", *rest)

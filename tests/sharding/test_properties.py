@@ -1,9 +1,10 @@
 """A differential soak: jaxshard's verdicts against independent ground truth, on
 every path a contract is checked on.
 
-- Shapes and dtypes: jaxtyping itself, on random annotation strings from its grammar
-  (named, fixed, symbolic, variadic, broadcast and anonymous dimensions, malformed
-  strings too), through unions, PyTrees, tuples and the compact syntax.
+- Shapes and dtypes: jaxtyping itself, on random annotation strings from its whole
+  grammar (named, fixed, symbolic, variadic, broadcast, unchecked and tree-path
+  dimensions, modifiers in any order, `name=` prefixes, malformed strings too),
+  through unions, PyTrees, tuples and the compact syntax.
 - Shardings: `NamedSharding(mesh, spec).is_equivalent_to(x.sharding, ndim)`, read
   under the documented rules: `P.UNCONSTRAINED` is any layout of its dimension (every
   way to fill it is tried), a spec naming an axis the mesh lacks or longer than the
@@ -41,6 +42,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxshard
 from jaxshard import Float, strategies as js
+from jaxshard._annotations.dims import dimension
 from jaxshard._annotations.spec import format_spec
 
 
@@ -292,20 +294,26 @@ def check_message(message: str, where: str, mesh, ndim, expected, actual=None):
 # --- shapes and dtypes: against jaxtyping ------------------------------------------
 
 _NAMES = ("a", "b", "c")
+# Every part of jaxtyping's grammar: named, fixed, symbolic, broadcast (`#`),
+# unchecked (`_`), tree-path (`?`) and variadic (`*`, `...`) dimensions, the `name=`
+# prefix that only documents (`n=4`, `n=a+1`, `#c=a`, `c=#a`, `n=*b`), modifiers in
+# any order, and malformed tokens.
+_VARIADIC = ["*a", "*b", "...", "#*b", "*_", "?*b", "_*b", "*#a", "n=*b", "?#*a"]
 _TOKENS = st.one_of(
     st.sampled_from(_NAMES),
     st.sampled_from(["1", "2", "3", "4"]),
-    st.sampled_from(["_", "#a", "#b", "_a", "a+1", "2*b", "a-1", "b*a", "#1"]),
-    st.sampled_from(["*a", "*b", "...", "#*b", "*_"]),
-    st.sampled_from(["a)", "(b", "a+", "1a", "a b)"]),  # malformed
+    st.sampled_from(["_", "#a", "#b", "_a", "a+1", "2*b", "a-1", "b*a", "#1", "?a"]),
+    st.sampled_from(["n=4", "n=a+1", "#c=a", "c=#a", "m=b", "k=_", "r=#1", "_n=a"]),
+    st.sampled_from(_VARIADIC),
+    st.sampled_from(["a)", "(b", "a+", "1a", "a b)", "a=b=c", "n=", "##a", "*4"]),
 )
 
 
 @st.composite
 def dim_strings(draw) -> str:
     tokens = draw(st.lists(_TOKENS, min_size=0, max_size=4))
-    variadic = [t for t in tokens if "*" in t.lstrip("#")[:1] or t == "..."]
-    if len(variadic) > 1:  # at most one, as jaxtyping requires
+    variadic = [t for t in tokens if t in _VARIADIC]
+    if len(variadic) > 1 and draw(st.integers(0, 9)):  # mostly one, as jaxtyping asks
         first = tokens.index(variadic[0])
         tokens = [t for i, t in enumerate(tokens) if i == first or t not in variadic]
     return " ".join(tokens)
@@ -431,14 +439,14 @@ def _shape_for(text: str, sizes: dict, data) -> tuple[int, ...]:
     small = st.integers(1, 4)
     shape = []
     for token in text.split():
-        token = token.lstrip("#")
-        if token.startswith("*") or token == "...":
+        dim = dimension(token)
+        if dim.kind == "variadic":
             some = tuple(data.draw(small) for _ in range(data.draw(st.integers(0, 2))))
-            shape += sizes.get(token.replace("#", ""), some)
-        elif token.isdigit():
-            shape.append(int(token))
+            shape += sizes.get(f"*{dim.name}", some)
+        elif dim.kind == "fixed":
+            shape.append(dim.size)
         else:
-            shape.append(sizes.get(token) or data.draw(small))
+            shape.append(sizes.get(dim.name) or data.draw(small))
     if shape and data.draw(st.integers(0, 3)) == 0:  # one dimension off
         shape[data.draw(st.integers(0, len(shape) - 1))] = data.draw(small)
     if data.draw(st.integers(0, 7)) == 0:  # the rank off
@@ -488,18 +496,20 @@ def _args(arrays, form: str) -> tuple:
 @given(st.data())
 def test_the_compact_syntax_is_the_long_form(data):
     """`sharded(Float, "[a/x] b")` and `Float[Array, "a b", P("x", None)]` give the
-    same verdicts on any array and mesh."""
+    same verdicts on any array and mesh, each dimension written plain or with a
+    documenting `name=` prefix."""
     mesh = data.draw(meshes())
     spec = data.draw(specs(mesh.axis_names, 2))
     parts = []
     for i, entry in enumerate([*spec, None][:2]):
         axes = _axes(entry)
+        dim = data.draw(st.sampled_from([f"d{i}", f"n{i}=d{i}"]))
         if not axes:
-            parts.append(f"d{i}")
+            parts.append(dim)
         elif len(axes) == 1:
-            parts.append(f"[d{i}/{axes[0]}]")
+            parts.append(f"[{dim}/{axes[0]}]")
         else:
-            parts.append(f"[d{i}/({','.join(axes)})]")
+            parts.append(f"[{dim}/({','.join(axes)})]")
     compact = jaxshard.sharded(Float, " ".join(parts))
     long = Float[Array, "d0 d1", spec]
     shape = tuple(data.draw(st.sampled_from([8, 3, 1])) for _ in range(2))
