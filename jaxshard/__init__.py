@@ -124,7 +124,7 @@ else:
         UInt32 as UInt32,
         UInt64 as UInt64,
     )
-    from ._sharding.tree import Partitioned as Partitioned
+    from ._sharding.partitioning import Partitioned as Partitioned
 from . import _annotations, _sharding
 from ._annotations.logical import axis_rules as axis_rules, BY_NAME as BY_NAME, L as L
 from ._config import config as config
@@ -138,11 +138,9 @@ from ._errors import (
 from ._jax_internals import TESTED_JAX as TESTED_JAX
 from ._sharding.constrain import constrain as constrain
 from ._sharding.decorator import jaxtyped as jaxtyped
+from ._sharding.partitioning import check_partitioning as check_partitioning
 from ._sharding.signature import shardings as shardings
-from ._sharding.tree import (
-    check_partitioning as check_partitioning,
-    check_tree as check_tree,
-)
+from ._sharding.tree import check_tree as check_tree
 from ._values.checked import (
     checked as checked,
     deferred_checks as deferred_checks,

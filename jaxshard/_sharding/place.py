@@ -29,17 +29,9 @@ from .._jax_internals import ArrayMeta
 from .array_types import partition_spec
 from .constrain import find_mesh, laid_out_on, lay_out, unfit
 from .describe import describe_array
+from .partitioning import _annotation, _is_box, _metadata, _path, _unboxed
 from .signature import _input_spec
-from .tree import (
-    _annotation,
-    _fits,
-    _is_array,
-    _is_box,
-    _is_variable,
-    _metadata,
-    _path,
-    _unboxed,
-)
+from .tree import _fits, _is_array, _is_variable
 
 
 _union_types = (typing.Union, type(int | str))

@@ -14,9 +14,9 @@ from .._annotations.logical import using
 from .._annotations.spec import format_spec
 from .._jax_internals import context_mesh
 from .describe import describe_bytes, describe_mesh
+from .partitioning import _is_box, _path, _unboxed
 from .place import _name, plan
 from .signature import _input_spec
-from .tree import _is_box, _path, _unboxed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,7 @@
 their annotations at any point, not only when it is made."""
 
 import dataclasses
+import re
 import typing
 from typing import Any, get_args, get_origin
 
@@ -10,12 +11,15 @@ import jaxtyping
 from jax import Array
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._annotations.logical import active_rules, flax_rules, L, using
-from .._annotations.spec import axes_of
+from .. import _config
+from .._annotations.logical import using
+from .._annotations.spec import format_spec
 from .._errors import ShardingError, TypeCheckError
 from .._jax_internals import ArrayMeta
 from .array_types import _MetaShardedArray, Shaped
-from .describe import naming
+from .compare import compare
+from .describe import describe_array, describe_mesh, describe_sharding, naming
+from .layout import is_array_like
 
 
 _union_types = (typing.Union, type(int | str))
@@ -69,11 +73,14 @@ def check_tree(tree: Any, annotation: Any = None, *, name: str | None = None) ->
     )
 
 
-def _check_all(what: str, found: list, heads: tuple[str, str]) -> None:
-    """Checks each `(path, annotation, value, rules)` of `found`, with one set of
-    dimension bindings, and raises listing every failure by path: a
-    `ShardingError` if a sharding is among the reasons, else a `TypeCheckError`.
-    `heads` says how many failed: one, then several (`{}` for the number)."""
+def _check_all(
+    what: str, found: list, heads: tuple[str, str], source: str = "the annotation"
+) -> None:
+    """Checks each `(path, expected, value, rules)` of `found` (`expected` an
+    annotation or a `Stated` layout), with one set of dimension bindings, and raises
+    listing every failure by path: a `ShardingError` if a sharding is among the
+    reasons, else a `TypeCheckError`. `heads` says how many failed: one, then
+    several (`{}` for the number); `source` is what states the layouts."""
     function = what.split("(", 1)[0]
     failures = []
     with jaxtyping.jaxtyped("context"):
@@ -81,18 +88,99 @@ def _check_all(what: str, found: list, heads: tuple[str, str]) -> None:
             with naming(function, where), using(rules):
                 reason, sharding = _reason(expected, value)
             if reason:
-                failures.append((where, reason, sharding))
+                failures.append((where, _worded(reason, source), sharding))
     if failures:
         error = ShardingError if any(s for *_, s in failures) else TypeCheckError
         head = heads[0] if len(failures) == 1 else heads[1].format(len(failures))
-        raise error(
-            f"{what}: {head}:\n" + "\n".join(f"- {w}: {r}" for w, r, _ in failures)
+        lines = [
+            f"- {w}{' ' if r.startswith('is ') else ': '}{r.rstrip('.')}."
+            for w, r, _ in failures
+        ]
+        raise error(f"{what}: {head}:\n" + "\n".join(lines))
+
+
+_THIS_ARRAY = re.compile(r"^this array \([^()]*\) (?=is )")
+
+
+def _worded(reason: str, source: str) -> str:
+    """`reason`, which speaks of "the annotation", said of `source` (`"the layout
+    tree"`, `"its metadata"`) for a user who wrote no annotation: `is sharded as
+    P(...) (...), where the layout tree says P(...) (...)`, to follow the path."""
+    if source == "the annotation":
+        return reason
+    reason = _THIS_ARRAY.sub("", reason)
+    reason = reason.replace(", but the annotation expects", f", where {source} says")
+    return reason.replace("the annotation", source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stated:
+    """A layout stated by a sharding (a `NamedSharding`, or any `jax.sharding.Sharding`)
+    and, from a `jax.ShapeDtypeStruct`, a shape and dtype."""
+
+    sharding: Any
+    shape: tuple | None = None
+    dtype: Any = None
+
+
+def _stated(expected: Stated, value: Any) -> tuple[str, bool]:
+    """`_reason` for a `Stated` layout: the shape and dtype, then the sharding, the
+    mesh compared too (a tracer's, inside `jit`, as an annotation's spec)."""
+    if not is_array_like(value):
+        return f"is {type(value).__name__}, not an array", False
+    shape, dtype = tuple(value.shape), value.dtype
+    if expected.shape is not None and (shape, dtype) != (
+        expected.shape,
+        expected.dtype,
+    ):
+        return (
+            f"is {describe_array(dtype, shape)}, but the annotation expects "
+            f"{describe_array(expected.dtype, expected.shape)}",
+            False,
         )
+    sharding = expected.sharding
+    if sharding is None or _config.current().sharding == "off":
+        return "", False
+    if isinstance(value, jax.core.Tracer) or not hasattr(value, "sharding"):
+        if not isinstance(sharding, NamedSharding):
+            return "", False  # what it is made into is jit's to say
+        return _reason(Shaped[Array, "...", sharding.spec], value)
+    actual = value.sharding
+    if not isinstance(sharding, NamedSharding):
+        if sharding.is_equivalent_to(actual, len(shape)):
+            return "", False
+        return (
+            f"is {describe_sharding(actual, len(shape))}, but the annotation expects "
+            f"it {describe_sharding(sharding, len(shape))}",
+            True,
+        )
+    reason = compare(sharding.spec, actual, shape, dtype, sharding.mesh)
+    if reason and getattr(actual, "mesh", sharding.mesh) != sharding.mesh:
+        return (
+            f"is sharded as {_spec(actual.spec, shape)} on mesh {_on(actual.mesh)}, "
+            f"but the annotation expects {_spec(sharding.spec, shape)} on mesh "
+            f"{_on(sharding.mesh)}",
+            True,
+        )
+    return reason, bool(reason)
+
+
+def _spec(spec: PartitionSpec, shape: tuple) -> str:
+    return format_spec(PartitionSpec(*spec, *[None] * (len(shape) - len(spec))))
+
+
+def _on(mesh: Any) -> str:
+    """`{'x': 2, 'y': 4} (Explicit axes) over devices [0,1,...]`."""
+    ids = [int(i) for i in mesh.device_ids.flat]
+    shown = ",".join(map(str, ids[:16])) + (",..." if len(ids) > 16 else "")
+    return f"{describe_mesh(mesh)} over devices [{shown}]"
 
 
 def _reason(expected: Any, value: Any) -> tuple[str, bool]:
     """Why `value` fails `expected` ("" if it does not), and whether the sharding is
     the reason."""
+    if isinstance(expected, Stated):
+        return _stated(expected, value)
     options = _arrays(expected)
     reasons = []
     for option in options:
@@ -133,9 +221,16 @@ def _collect(value: Any, annotation: Any, where: str, out: list) -> None:
         annotation = inner if _is_array_like_annotation(inner) else annotation
         value = value.get_value()
     if _is_array_like_annotation(annotation):
-        if not (value is None and type(None) in get_args(annotation)):
+        others = [a for a in get_args(annotation) if not _is_array(a)]
+        if value is None and type(None) in others:
+            return
+        if not is_array_like(value) and any(_fits(value, a) for a in others):
+            # A union whose array arms do not hold this value (a quantized weight
+            # in `Float[...] | QuantArray`): the arm that does, below.
+            annotation = typing.Union[tuple(others)]
+        else:
             out.append((where, annotation, value))
-        return
+            return
     if isinstance(annotation, type(jaxtyping.PyTree)):
         leaves = jax.tree_util.tree_flatten_with_path(value)[0]
         for path, leaf in leaves:
@@ -197,228 +292,3 @@ def _is_variable(value: Any) -> bool:
 def _fits(value: Any, option: Any) -> bool:
     cls = get_origin(option) or option
     return isinstance(cls, type) and isinstance(value, cls)
-
-
-# --- parameter trees that carry their own partitioning ------------------------------
-
-
-def check_partitioning(
-    tree: Any, specs: Any = None, *, name: str = "params", rules: Any = None
-) -> None:
-    """Checks every array of a parameter tree against the partitioning its leaves
-    carry, or against `specs`.
-
-    Weights that a library layer creates (flax linen's `Dense`, `Embed`,
-    `LayerNorm`, ...) are not function parameters, so no annotation reaches them; their
-    partitioning is in the tree itself:
-
-    - flax linen's boxed leaves, `nn.LogicallyPartitioned` (logical names, resolved by
-        the box's own rules, else those in force) and `nn.Partitioned` (mesh axes), as
-        `model.init` makes them with `nn.with_logical_partitioning`;
-    - flax nnx `Variable`s (`nnx.Param`, ...) with sharding metadata
-        (`nnx.with_partitioning`, `nnx.Param(..., sharding=...)`), read with
-        `nnx.get_partition_spec`;
-    - or `specs`: a tree of the same structure whose leaves are `PartitionSpec`s,
-        logical `jaxshard.L(...)` specs or annotations (`None` leaves a leaf
-        unchecked), e.g. `nn.get_partition_spec(abstract_variables)` for a tree that
-        was unboxed.
-
-    Leaves with no partitioning are not checked. Eagerly it raises at once; inside
-    `jax.jit` it checks as annotations do there. `jaxshard.Partitioned` as a
-    parameter's annotation does the same for a `jaxtyped` function's argument.
-
-    **Arguments:**
-
-    - `tree`: the parameters (boxed flax linen variables, an nnx Module or State, or
-        any pytree with `specs`).
-    - `specs`: the partitioning of each leaf, if the tree does not carry it.
-    - `name`: what to call the tree in messages (default `"params"`).
-    - `rules`: the axis rules for logical names, as `jaxshard.axis_rules` takes them;
-        by default those in force (a flax box's own rules come first).
-
-    **Raises:**
-
-    `jaxshard.ShardingError` naming the path of every mis-sharded leaf
-    (`params['Dense_0']['kernel']`), with what it is and what its metadata says.
-    """
-    with using(rules):
-        found = partitioned_leaves(tree, specs, name)
-        _check_all(
-            f"check_partitioning({name})",
-            found,
-            (
-                "1 array is not partitioned as its metadata says",
-                "{} arrays are not partitioned as their metadata says",
-            ),
-        )
-
-
-def partitioned_leaves(tree: Any, specs: Any, name: str) -> list:
-    """`(path, annotation, array, rules)` for each leaf with a partitioning."""
-    out = []
-    if specs is not None:
-        pairs = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
-        values = jax.tree_util.tree_leaves(tree, is_leaf=_is_box)
-        if len(pairs) != len(values):
-            raise ValueError(
-                f"check_partitioning({name}): `specs` has {len(pairs)} leaves and the "
-                f"tree {len(values)}; give one spec (or None) per array, in the "
-                "tree's structure."
-            )
-        for (path, spec), value in zip(pairs, values):
-            if spec is not None:
-                value = _unboxed(value)
-                annotation = _annotation(_logical_if_named(spec, value))
-                out.append((_path(name, path), annotation, value, None))
-        return out
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]:
-        spec, own = _metadata(leaf)
-        if spec is not None:
-            out.append((_path(name, path), _annotation(spec), _unboxed(leaf), own))
-    return out
-
-
-def _path(name: str, path: tuple) -> str:
-    """`params['Dense_0']['kernel']`: without the `.value` of a flax box."""
-    return (name + jax.tree_util.keystr(path)).removesuffix(".value")
-
-
-def _logical_if_named(spec: Any, value: Any) -> Any:
-    """`spec`, or `L(*spec)` for a `PartitionSpec` of logical names, as
-    `nn.get_partition_spec` makes from flax's logical metadata: one naming axes that
-    the value's mesh does not have (or, with no mesh known, only names) that the
-    rules in force know."""
-    rules = active_rules()
-    if rules is None or not isinstance(spec, PartitionSpec):
-        return spec
-    names = {a for entry in spec for a in axes_of(entry)}
-    mesh = _mesh_of(value)
-    known = set(rules.known)
-    if not names or not names & known:
-        return spec
-    if mesh is None and names <= known or mesh is not None and names - set(mesh):
-        return L(*spec)
-    return spec
-
-
-def _mesh_of(value: Any) -> tuple[str, ...] | None:
-    """The axis names of the mesh `value` is laid out on, or in context."""
-    sharding = getattr(value, "sharding", None)
-    if isinstance(value, jax.core.Tracer):
-        sharding = jax.typeof(value).sharding
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is not None and not mesh.empty:
-        return tuple(mesh.axis_names)
-    context = jax.sharding.get_abstract_mesh()
-    return None if context.empty else tuple(context.axis_names)
-
-
-def _is_spec(x: Any) -> bool:
-    return x is None or isinstance(x, (PartitionSpec, L)) or _is_array(x)
-
-
-def _is_box(x: Any) -> bool:
-    """A flax linen partitioning box, or an nnx Variable."""
-    return _is_variable(x) or type(x).__name__ in _BOXES and hasattr(x, "names")
-
-
-_BOXES = ("Partitioned", "LogicallyPartitioned")
-# Where nnx Variables keep their partitioning: `out_sharding` in flax 0.12, earlier
-# `sharding_names` and `sharding`.
-_NNX_KEYS = ("out_sharding", "sharding_names", "sharding")
-
-
-def _metadata(leaf: Any) -> tuple[Any, Any]:
-    """The partitioning a leaf carries (`PartitionSpec` or `L`), and its own rules."""
-    if _is_variable(leaf):
-        metadata = leaf.get_metadata()
-        names = next((metadata[k] for k in _NNX_KEYS if metadata.get(k)), None)
-        if names is None:
-            return None, None
-        if flax_rules() is None and not metadata.get("sharding_rules"):
-            # Mesh axes, as nnx reads them; logical names if the rules in force
-            # know them and the mesh does not.
-            spec = PartitionSpec(*names)
-            return _logical_if_named(spec, _unboxed(leaf)), None
-        # As nnx placed it: its own renaming by flax's rules (a name without a rule
-        # stays as it is, a mesh axis).
-        from flax import nnx
-
-        spec = nnx.get_partition_spec(leaf)
-        return PartitionSpec(*(spec.get_value() if _is_variable(spec) else spec)), None
-    if _is_box(leaf):
-        names = tuple(leaf.names)
-        if type(leaf).__name__ == "LogicallyPartitioned":
-            return L(*names), getattr(leaf, "rules", None) or None
-        return PartitionSpec(*names), None
-    return None, None
-
-
-def _unboxed(leaf: Any) -> Any:
-    if _is_variable(leaf):
-        return leaf.get_value()
-    if _is_box(leaf):
-        return leaf.value
-    return leaf
-
-
-def place_partitioned(tree: Any, mesh: Any) -> Any:
-    """`tree` with each abstract leaf (`jax.ShapeDtypeStruct` without a sharding) in
-    a partitioning box or nnx Variable placed on `mesh` as its metadata says, under
-    the rules in force: what `jax.eval_shape(model.init, ...)` gives, ready to
-    compile."""
-
-    def place(leaf: Any) -> Any:
-        value = _unboxed(leaf)
-        if not (isinstance(value, jax.ShapeDtypeStruct) and value.sharding is None):
-            return leaf
-        spec, own = _metadata(leaf)
-        if spec is None:
-            return leaf
-        with using(own):
-            spec = _annotation(spec).spec
-        placed = jax.ShapeDtypeStruct(
-            value.shape, value.dtype, sharding=NamedSharding(mesh, spec)
-        )
-        if _is_variable(leaf):
-            return leaf.replace(placed)
-        return leaf.replace_boxed(placed)
-
-    if not any(_is_box(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_box)):
-        return tree
-    return jax.tree_util.tree_map(place, tree, is_leaf=_is_box)
-
-
-def _annotation(spec: Any) -> Any:
-    if _is_array(spec):
-        return spec
-    return Shaped[Array, "...", spec]
-
-
-class _PartitionedMeta(type):
-    def __instancecheck__(cls, value: Any) -> bool:
-        from .decorator import note_failure
-        from .describe import where
-
-        _, parameter = where(value)
-        try:
-            check_partitioning(value, name=parameter or "")
-        except (ShardingError, TypeCheckError) as e:
-            note_failure(value, str(e).split(":\n", 1)[-1])
-            return False
-        return True
-
-
-class Partitioned(metaclass=_PartitionedMeta):
-    """An annotation for a parameter tree: each leaf must be partitioned as its own
-    metadata says (flax linen's boxes, nnx Variables; see
-    `jaxshard.check_partitioning`).
-
-    !!! Example
-
-        ```python
-        @jaxshard.jaxtyped(typechecker=beartype)
-        def train_step(params: jaxshard.Partitioned, batch: Batch) -> ...:
-            ...
-        ```
-    """

@@ -25,7 +25,7 @@ from .._sharding.signature import (
     _tree,
     signature,
 )
-from .._sharding.tree import place_partitioned
+from .._sharding.partitioning import place_partitioned
 
 
 def stray_dims(fn: Callable, dims: Mapping[str, Any]) -> str:

@@ -33,7 +33,7 @@ from .._sharding.describe import (
     naming,
 )
 from .._sharding.signature import _name, _POSITIONAL, _tree, signature
-from .._sharding.tree import check_partitioning, Partitioned
+from .._sharding.partitioning import check_partitioning, Partitioned
 from .abstract import _bound_inputs
 from .budgets import (
     _budget_rows,
@@ -163,9 +163,9 @@ def verify(
     )
     if golden is not None:
         rows = report.rows + report._differences(golden, against, tolerance)
-        found = report.collectives
+        found = report._every_collective
         report = dataclasses.replace(report, rows=rows, against=os.fspath(against))
-        report.__dict__["collectives"] = found
+        report.__dict__["_every_collective"] = found
     if raise_on_error and not report.ok:
         raise _error(report, inputs.name, mesh)
     return report
@@ -315,7 +315,9 @@ def _report(
         memory = _memory(compiled, mesh)
         ins = layouts(inputs.traced, compiled.input_shardings[0])
         outs = layouts(compiled.out_info, compiled.output_shardings, "return")
-        budget = _budget_rows(found, *budgets[:2], memory, budgets[2])
+        # The value checks' own collectives are no part of the model's budget.
+        model = tuple(c for c in found if not c.from_checks)
+        budget = _budget_rows(model, *budgets[:2], memory, budgets[2])
         budget += sharding_budget_rows(ins, *sharded)
     # A budget is the verified function's.
     budget = tuple(dataclasses.replace(r, function=qualname.qualname) for r in budget)
@@ -330,7 +332,7 @@ def _report(
         outputs=outs,
         notes=notes,
     )
-    report.__dict__["collectives"] = found  # what the cached property would compute
+    report.__dict__["_every_collective"] = found  # what the property would compute
     return report
 
 

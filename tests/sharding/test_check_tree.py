@@ -1,10 +1,12 @@
 """`jaxshard.check_tree`: a Module's fields checked at any point."""
 
+import dataclasses
 from typing import NamedTuple
 
 import beartype
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jaxtyping
 import pytest
 from helpers import put
@@ -89,3 +91,42 @@ def test_inside_jit(mesh):
         f(layer(mesh))
         with pytest.raises(jaxshard.ShardingError, match="Layer.w"):
             f(eqx.tree_at(lambda m: m.w, layer(mesh), put((8, 4), mesh, P("dp"))))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QuantArray:
+    """An int8 weight and its scale, as quantized checkpoints keep them."""
+
+    quant: jaxshard.Int8[Array, "d f", P(None, "tp")]
+    scale: Float[Array, "1 f", P(None, "tp")]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Quantizable:
+    w: Float[Array, "d f", P(None, "tp")] | QuantArray
+
+
+def test_a_union_passes_when_any_arm_holds(mesh):
+    """A field typed `array | QuantArray` holding a QuantArray is checked as one
+    (its own fields), and the array arm still when an array is what it holds."""
+    quant = QuantArray(
+        put((8, 4), mesh, P(None, "tp"), jnp.int8),
+        put((1, 4), mesh, P(None, "tp")),
+    )
+    jaxshard.check_tree(Quantizable(quant))
+    jaxshard.check_tree(Quantizable(put((8, 4), mesh, P(None, "tp"))))
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jaxshard.check_tree(Quantizable(put((8, 4), mesh, P("dp", None))))
+    assert "- Quantizable.w: this array (float32[8,4]) is sharded as P('dp'" in str(
+        e.value
+    )
+    misplaced = dataclasses.replace(quant, scale=put((1, 4), mesh, P()))
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jaxshard.check_tree(Quantizable(misplaced))
+    assert "- Quantizable.w.scale: this array (float32[1,4]) is sharded as P(None" in (
+        str(e.value)
+    )
+    with pytest.raises(jaxtyping.TypeCheckError, match="Quantizable.w"):
+        jaxshard.check_tree(Quantizable("not a weight"))  # type: ignore[arg-type]

@@ -2,6 +2,8 @@
 boxes, nnx Variables, or a tree of specs (`jaxshard.check_partitioning`,
 `jaxshard.Partitioned`)."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -60,10 +62,11 @@ def test_linen_boxes_eagerly():
     message = str(caught.value)
     assert "2 arrays are not partitioned as their metadata says" in message
     assert (
-        "- params['params']['Dense_0']['kernel']: this array (float32[16,32])"
-        in message
+        "- params['params']['Dense_0']['kernel'] is sharded as P(None, None) "
+        "(float32[16,32]), where its metadata says P('fsdp', 'tp')" in message
     )
-    assert "L('embed', 'mlp') is P('fsdp', 'tp')" in message
+    assert "its metadata's L('embed', 'mlp') is P('fsdp', 'tp')" in message
+    assert "annotation" not in message  # the user wrote none
     assert "bias" not in message  # no metadata: not checked
 
 
@@ -109,10 +112,144 @@ def test_specs_from_flax_metadata_are_logical():
             jaxshard.check_partitioning({"params": bad}, specs)
     lines = str(caught.value).splitlines()
     assert lines[0].startswith("check_partitioning(params): 1 array")
-    assert lines[1].startswith("- params['params']['Dense_1']['kernel']: ")
+    assert lines[1].startswith("- params['params']['Dense_1']['kernel'] is sharded")
     assert "L('mlp', 'embed')" in lines[1] and ".value" not in str(caught.value)
     with pytest.raises(jaxshard.ShardingError, match="names mesh axis 'embed'"):
         jaxshard.check_partitioning(unboxed, specs)  # no rules in force
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Layer:
+    w_up: Array
+    w_down: Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Weights:
+    """Weights as Explicit-axes code keeps them: a registered dataclass, whose layouts
+    the code base states as a tree of `NamedSharding`s of the same structure."""
+
+    embed: Array
+    layers: list[Layer]
+
+    @staticmethod
+    def shardings(mesh) -> "Weights":
+        def at(*spec):
+            return NamedSharding(mesh, P(*spec))
+
+        layer = Layer(at(None, ("y", "z")), at(("y", "z"), None))
+        return Weights(at("x", None), [layer, layer, layer])
+
+
+def weights(mesh, down=P(("y", "z"), None)) -> Weights:
+    layouts = Weights.shardings(mesh)
+    shapes = Weights((32, 8), [Layer((8, 16), (16, 8))] * 3)
+    placed = jax.tree.map(
+        lambda shape, s: jax.device_put(jnp.ones(shape), s),
+        shapes, layouts, is_leaf=lambda x: isinstance(x, tuple),
+    )  # fmt: skip
+    bad = jax.device_put(placed.layers[1].w_down, NamedSharding(mesh, down))
+    placed.layers[1] = Layer(placed.layers[1].w_up, bad)
+    return placed
+
+
+def xyz_mesh(devices=None):
+    devices = jax.devices() if devices is None else devices
+    return jax.make_mesh(
+        (2, 2, 2), ("x", "y", "z"), axis_types=(AxisType.Explicit,) * 3,
+        devices=devices,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("form", ["NamedSharding", "ShapeDtypeStruct", "spec"])
+def test_a_layout_tree_of_shardings(form):
+    """The layouts a code base states (`Weights.shardings(mesh)`, what
+    `jax.jit(out_shardings=...)` takes, what `x.sharding` gives), as shardings,
+    `ShapeDtypeStruct`s or specs: a misplaced leaf named by its path with both
+    layouts, in words for a user who wrote no annotation."""
+    mesh = xyz_mesh()
+    layouts = {
+        "NamedSharding": Weights.shardings(mesh),
+        "ShapeDtypeStruct": jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            weights(mesh),
+        ),
+        "spec": jax.tree.map(lambda s: s.spec, Weights.shardings(mesh)),
+    }[form]
+    jaxshard.check_partitioning(weights(mesh), layouts, name="weights")
+    with pytest.raises(jaxshard.ShardingError) as caught:
+        jaxshard.check_partitioning(
+            weights(mesh, P(None, ("y", "z"))), layouts, name="weights"
+        )
+    lines = str(caught.value).splitlines()
+    assert lines == [
+        "check_partitioning(weights): 1 array is not laid out as the layout tree says:",
+        "- weights.layers[1].w_down is sharded as P(None, ('y', 'z')) "
+        "(float32[16,8@(y,z)]), where the layout tree says P(('y', 'z'), None) "
+        "(float32[16@(y,z),8]), on mesh {'x': 2, 'y': 2, 'z': 2} (Explicit axes).",
+    ]
+    assert "annotation" not in str(caught.value) and "third item" not in lines[1]
+
+
+def test_a_layout_tree_compares_the_mesh_shape_and_dtype():
+    mesh = xyz_mesh()
+    other = xyz_mesh(jax.devices()[::-1])
+    moved = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(other, x.sharding.spec)),
+        weights(mesh),
+    )
+    with pytest.raises(jaxshard.ShardingError) as caught:
+        jaxshard.check_partitioning(moved, Weights.shardings(mesh))
+    message = str(caught.value)
+    assert message.startswith("check_partitioning(params): 7 arrays are not laid out")
+    assert (
+        "- params.embed is sharded as P('x', None) on mesh {'x': 2, 'y': 2, 'z': 2} "
+        "(Explicit axes) over devices [7,6,5,4,3,2,1,0], where the layout tree says "
+        "P('x', None) on mesh {'x': 2, 'y': 2, 'z': 2} (Explicit axes) over devices "
+        "[0,1,2,3,4,5,6,7]." in message
+    )
+    structs = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        weights(mesh),
+    )
+    structs.embed = jax.ShapeDtypeStruct((32, 4), jnp.bfloat16, sharding=None)
+    with pytest.raises(jaxshard.TypeCheckError) as caught:
+        jaxshard.check_partitioning(weights(mesh), structs)
+    assert not isinstance(caught.value, jaxshard.ShardingError)
+    assert str(caught.value).splitlines()[1] == (
+        "- params.embed is float32[32,8], where the layout tree says bfloat16[32,4]."
+    )
+
+
+def test_a_layout_tree_leaf_that_states_no_layout():
+    mesh = xyz_mesh()
+    with pytest.raises(TypeError) as caught:
+        jaxshard.check_partitioning(
+            weights(mesh), jax.tree.map(lambda x: "y", weights(mesh))
+        )
+    message = str(caught.value)
+    assert message.startswith(
+        "check_partitioning: the layout tree's leaf for params.embed is 'y' (type "
+        "str), which states no layout."
+    )
+    assert "third item" not in message
+
+
+def test_a_layout_tree_inside_jit():
+    """Inside `jit` on Explicit axes, at trace time, the shardings' specs."""
+    mesh = xyz_mesh()
+
+    @jax.jit
+    def step(w):
+        jaxshard.check_partitioning(w, Weights.shardings(mesh), name="w")
+        return jax.tree.map(lambda x: x * 2, w)
+
+    with jax.set_mesh(mesh):
+        step(weights(mesh))
+        with pytest.raises(jaxshard.ShardingError, match=r"w\.layers\[1\]\.w_down"):
+            step(weights(mesh, P(None, ("y", "z"))))
 
 
 @pytest.mark.parametrize("axis_types", ["auto"])
