@@ -64,11 +64,15 @@ class AxisRules:
 
 
 def normalise(rules: Any, *, unknown: str = "error", name: Any = None) -> AxisRules:
-    """`rules` (a mapping, or `(logical, mesh_axes)` pairs as flax and MaxText write
-    them, lists for tuples allowed) as an `AxisRules`; a clear error for anything
-    else."""
+    """`rules` (a mapping, `(logical, mesh_axes)` pairs as flax and MaxText write
+    them, lists for tuples allowed, or a dataclass whose fields are logical names, as
+    code bases keep them in their config) as an `AxisRules`; a clear error for
+    anything else."""
     if isinstance(rules, AxisRules):
         return rules
+    if dataclasses.is_dataclass(rules) and not isinstance(rules, type):
+        name = type(rules).__name__ if name is None else name
+        rules = {f.name: getattr(rules, f.name) for f in dataclasses.fields(rules)}
     if unknown not in ("error", "replicated"):
         raise ValueError(
             f"jaxshard.axis_rules: `unknown` is 'error' (a logical name with no rule "
@@ -86,10 +90,11 @@ def normalise(rules: Any, *, unknown: str = "error", name: Any = None) -> AxisRu
                 raise ValueError
     except (TypeError, ValueError):
         raise TypeError(
-            "jaxshard.axis_rules takes a rule table: a mapping or a sequence of "
-            "(logical name, mesh axes) pairs, the mesh axes a name, a tuple of names "
-            "or None, e.g. [('batch', ('dp', 'fsdp')), ('embed', 'fsdp'), ('mlp', "
-            f"'tp'), ('seq', None)]; got {_short(rules)}."
+            "jaxshard.axis_rules takes a rule table: a mapping, a dataclass of "
+            "logical names or a sequence of (logical name, mesh axes) pairs, the mesh "
+            "axes a name, a tuple of names or None, e.g. [('batch', ('dp', 'fsdp')), "
+            f"('embed', 'fsdp'), ('mlp', 'tp'), ('seq', None)]; got {_short(rules)}"
+            f"{_culprit(pairs)}."
         ) from None
     return interned(AxisRules(tuple(out), unknown, name))
 
@@ -105,6 +110,20 @@ def interned(rules: AxisRules) -> AxisRules:
     if len(_tables) >= 1024:
         _tables.clear()  # a program that makes tables anew
     return _tables.setdefault(rules, rules)
+
+
+def _culprit(pairs: Any) -> str:
+    """`, whose 'embed' is 4096`: the first rule of a table whose mesh axes are not
+    mesh axes ("" if there is none)."""
+    try:
+        for logical, mesh in pairs:
+            try:
+                _mesh_axes(mesh)
+            except ValueError:
+                return f", whose {logical!r} is {_short(mesh)}"
+    except (TypeError, ValueError):  # not pairs at all
+        pass
+    return ""
 
 
 def _mesh_axes(mesh: Any) -> Any:

@@ -11,8 +11,10 @@ apply, read through flax's public API.
 import collections
 import contextlib
 import dataclasses
+import functools as ft
+import inspect
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -143,11 +145,17 @@ def axis_rules(rules: Any, *, unknown: str = "error", name: str | None = None) -
 
     **Arguments:**
 
-    - `rules`: a mapping, or `(logical name, mesh axes)` pairs in order of precedence,
-        as flax and MaxText write them: the mesh axes a name, a tuple (or list) of
-        names, or `None` for unsharded. Resolution is flax linen's
-        `logical_to_mesh_axes`: each rule assigns its mesh axes to its logical name's
-        dimension if that dimension has none yet and none of those mesh axes is used.
+    - `rules`: a mapping, `(logical name, mesh axes)` pairs in order of precedence,
+        as flax and MaxText write them, or a dataclass whose fields are logical names
+        (a `ShardingRules` that a code base keeps in its config): the mesh axes a
+        name, a tuple (or list) of names, or `None` for unsharded. Resolution is flax
+        linen's `logical_to_mesh_axes`: each rule assigns its mesh axes to its
+        logical name's dimension if that dimension has none yet and none of those
+        mesh axes is used. Or a function of some of the decorated function's
+        parameters, by name, that returns such a table: `axis_rules(lambda cfg:
+        cfg.rules)` decorates the entry points of a code base that carries its
+        rules in its config, so that each call runs under its own config's table,
+        and no caller enters a table by hand.
     - `unknown`: a logical name in an `L(...)` spec that no rule mentions is an error
         that lists the known names (`"error"`, the default), or unsharded
         (`"replicated"`, flax's fallback). With `BY_NAME`, such names are unsharded
@@ -161,9 +169,91 @@ def axis_rules(rules: Any, *, unknown: str = "error", name: str | None = None) -
 
         with jaxshard.axis_rules(FSDP_TP, name="fsdp_tp"):
             step(params, batch)
+
+        @jaxshard.axis_rules(lambda cfg: cfg.rules)  # a ShardingRules dataclass
+        def forward(x, weights, cfg): ...
         ```
     """
+    if callable(rules) and not dataclasses.is_dataclass(rules):
+        return _FromArguments(rules, unknown, name)
     return _RulesScope(normalise(rules, unknown=unknown, name=name))
+
+
+class _FromArguments:
+    """What `axis_rules(pick)` returns for a function `pick`: a decorator whose
+    function runs each call under the table `pick` returns for the call's arguments
+    that its parameters name."""
+
+    def __init__(self, pick: Callable, unknown: str, name: str | None):
+        try:
+            self._names = list(inspect.signature(pick).parameters)
+        except (TypeError, ValueError):
+            self._names = None
+        if not self._names:
+            raise TypeError(
+                "jaxshard.axis_rules takes a rule table, or a function of the "
+                "decorated function's parameters (by name) that returns one, e.g. "
+                f"`lambda cfg: cfg.rules`; got {pick!r}, which names no parameter."
+            )
+        self._pick, self._unknown, self._name = pick, unknown, name
+        self._last: tuple = (_UNSET, None)  # the last table picked, normalised
+
+    def __enter__(self) -> None:
+        raise TypeError(
+            "jaxshard.axis_rules(function) decorates a function whose arguments hold "
+            "the rules: put `@jaxshard.axis_rules(lambda cfg: cfg.rules)` above its "
+            "`def`. In a `with` statement, give the table itself: "
+            "`with jaxshard.axis_rules(cfg.rules):`."
+        )
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+    def _table(self, value: Any) -> AxisRules:
+        if value is not self._last[0]:
+            table = normalise(value, unknown=self._unknown, name=self._name)
+            self._last = (value, table)
+        return self._last[1]
+
+    def __call__(self, fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+        params = list(signature.parameters.values())
+        missing = [n for n in self._names if n not in signature.parameters]
+        if missing:
+            raise TypeError(
+                f"jaxshard.axis_rules: the rules function names "
+                f"{', '.join(map(repr, missing))}, which "
+                f"{getattr(fn, '__qualname__', fn)} does not take; its parameters "
+                f"are {', '.join(map(repr, signature.parameters)) or 'none'}."
+            )
+        positional = [
+            p.name
+            for p in params
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        where = [
+            (n, positional.index(n) if n in positional else len(params))
+            for n in self._names
+        ]
+        defaults = {n: signature.parameters[n].default for n in self._names}
+
+        @ft.wraps(fn)
+        def wrapper(*args, **kwargs):
+            picked = {}
+            for n, i in where:
+                picked[n] = (
+                    kwargs[n] if n in kwargs else args[i] if i < len(args)
+                    else defaults[n]
+                )  # fmt: skip
+            if any(v is inspect.Parameter.empty for v in picked.values()):
+                return fn(*args, **kwargs)  # its own error for a missing argument
+            with _RulesScope(self._table(self._pick(**picked))):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+
+_UNSET = object()
 
 
 class _RulesScope(_config._Scope):

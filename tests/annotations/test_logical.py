@@ -1,6 +1,8 @@
 """Logical axis names: `L(...)` and `BY_NAME` in annotations, resolved by
 `jaxshard.axis_rules` (or flax's rules) exactly as flax linen resolves them."""
 
+import dataclasses
+import functools as ft
 import pickle
 
 import flax.linen as nn
@@ -144,6 +146,63 @@ def test_mappings_lists_and_maxtext_tables():
         ("batch", "dp"),
         ("embed", None),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """Rules as a code base keeps them in its config: a field per logical name."""
+
+    batch: str | tuple | None = "fsdp"
+    seq: str | None = None
+    embed: str | None = "tp"
+    mlp: str | tuple | None = ("tp",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    layers: int = 2
+    rules: ShardingRules = dataclasses.field(default_factory=ShardingRules)
+
+
+def test_a_dataclass_of_rules():
+    table = normalise(ShardingRules())
+    assert table.rules == (
+        ("batch", "fsdp"), ("seq", None), ("embed", "tp"), ("mlp", ("tp",)),
+    )  # fmt: skip
+    assert table.name == "ShardingRules"  # what messages call it
+    with jaxshard.axis_rules(ShardingRules()):
+        assert jaxshard.partition_spec(X) == P("fsdp", None, "tp")
+    with pytest.raises(TypeError, match="takes a rule table") as caught:
+        jaxshard.axis_rules(Config())  # the config, not its rules
+    assert "whose 'layers' is 2" in str(caught.value)
+
+
+@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
+def test_rules_stated_once_at_an_entry_point(axis_types):
+    """`axis_rules(lambda cfg: cfg.rules)` on the code base's entry points: each
+    call runs under its own config's table, with no `with` at any caller, and a
+    jitted step is traced again under another config's."""
+    m = fsdp_tp(axis_types)
+
+    @jaxshard.axis_rules(lambda cfg: cfg.rules)
+    @ft.partial(jax.jit, static_argnames="cfg")
+    @jaxshard.jaxtyped
+    def forward(x: X, cfg: Config) -> X:
+        return x * 2
+
+    x = jax.device_put(jnp.ones((8, 4, 16)), NamedSharding(m, P("fsdp", None, "tp")))
+    with jax.set_mesh(m):
+        forward(x, Config())
+        forward(x, cfg=Config())
+        other = Config(rules=ShardingRules(embed=None))
+        with pytest.raises(jaxshard.ShardingError, match="'ShardingRules'"):
+            forward(x, other)
+        assert jaxshard._config.current().rules is None  # nothing left behind
+    with pytest.raises(TypeError, match="names 'config', which"):
+        jaxshard.axis_rules(lambda config: config.rules)(layer)
+    with pytest.raises(TypeError, match="decorates a function"):
+        with jaxshard.axis_rules(lambda cfg: cfg.rules):
+            pass
 
 
 def test_pickles():
