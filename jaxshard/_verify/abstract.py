@@ -16,6 +16,7 @@ from .._annotations.spec import axes_of, format_spec
 from .._errors import did_you_mean, expect_callable
 from .._sharding.array_types import partition_spec
 from .._sharding.compare import missing_axes
+from .._sharding.partitioning import place_partitioned
 from .._sharding.signature import (
     _array_annotations,
     _input_spec,
@@ -25,7 +26,6 @@ from .._sharding.signature import (
     _tree,
     signature,
 )
-from .._sharding.partitioning import place_partitioned
 
 
 def stray_dims(fn: Callable, dims: Mapping[str, Any]) -> str:

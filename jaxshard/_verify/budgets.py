@@ -13,7 +13,7 @@ from .._errors import did_you_mean, expect
 from .._sharding.describe import (
     describe_bytes as _bytes,
 )
-from .collectives import Collective, KINDS
+from .collectives import Collective, describe, KINDS, most_bytes
 from .report import _over_budget, Memory, Row
 
 
@@ -182,14 +182,10 @@ def _budget_rows(
 
 
 def _budget_row(what: str, expected: str, actual: str, culprits: list) -> Row:
-    culprits = sorted(culprits, key=lambda c: -c.bytes)
-    listed = "; ".join(
-        f"{c.kind} of {_bytes(c.bytes)}"
-        + ("" if c.axes is None else f" over {', '.join(c.axes) or '(none)'}")
-        + f" at {c.where}"
-        for c in culprits[:5]
-    )
-    more = f" (and {len(culprits) - 5} more)" if len(culprits) > 5 else ""
+    groups = most_bytes(tuple(culprits))
+    listed = "; ".join(describe(c, n) for c, n in groups[:5])
+    rest = sum(n for _, n in groups[5:])
+    more = f" (and {rest} more)" if rest else ""
     # `actual` is "400.0 MiB" for bytes, "3" for a kind of collective
     noun = "bytes moved per device" if what == "bytes" else f"{what}s"
     said = "moved per device" if what == "bytes" else noun

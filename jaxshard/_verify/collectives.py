@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from .._sharding.describe import describe_bytes
+
 
 KINDS = (
     "all-gather",
@@ -38,6 +40,8 @@ class Collective:
         innermost frame outside JAX, jaxshard and installed packages); `None` when the
         program does not say.
     - `op_name`: JAX's name for the operation it was made for (`jit(f)/dot_general`).
+    - `from_checks`: whether jaxshard's value checks made it, to combine their
+        findings across devices (`report.check_collectives`), not the model.
     """
 
     kind: str
@@ -52,6 +56,7 @@ class Collective:
     chain: tuple[tuple[str, int, str], ...] = dataclasses.field(
         default=(), compare=False
     )
+    from_checks: bool = False
 
     @property
     def where(self) -> str:
@@ -162,18 +167,41 @@ class _Frames:
         return None
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LIBRARIES = tuple(
     os.path.abspath(p) + os.sep
     for p in {*(sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib"))}
     # jaxshard itself, all of it (an editable install is under no library path): its
     # wrappers are no line of the user's code.
-) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+) + (_PACKAGE + os.sep,)
+_VALUES = os.path.join(_PACKAGE, "_values") + os.sep
 
 
 def _is_user_code(filename: str) -> bool:
     if filename.startswith("<"):  # generated: beartype's wrappers
         return False
     return not os.path.abspath(filename).startswith(_LIBRARIES)
+
+
+def _is_check_code(filename: str) -> bool:
+    """Whether `filename` is jaxshard's value checks' (`jaxshard/_values/`), which
+    combine their findings across devices with collectives of their own; not
+    `jaxshard.shard_map`, whose collectives lay out the model's blocks."""
+    path = os.path.abspath(filename)
+    return path.startswith(_VALUES) and os.path.basename(path) != "shard_map.py"
+
+
+def _from_checks(innermost: tuple[str, int] | None, chains: Any, name: str) -> bool:
+    """Whether the op `name`, whose innermost frame (whoever's) is `innermost`,
+    was made by jaxshard's value checks. JAX keeps the frames of code outside
+    itself, so the checks' own files come first: in the compiled program's frames
+    (on CPU and TPU alike), else in every lowered op of that name."""
+    if innermost is None:
+        found = [entry[0] for entry in chains.get(name, ())]
+        if not found or None in found:
+            return False
+        return all(_is_check_code(filename) for filename, _ in found)
+    return _is_check_code(innermost[0])
 
 
 # --- the user's frames, from the lowered module's locations --------------------------
@@ -264,6 +292,14 @@ def _unescape(text: str) -> str:
 _IOTA = r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
 
 
+# `replica_groups=mesh['a'=2,'b'=4] {'b'}`, the mesh's devices in order, or
+# `replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'b'}` (jax 0.10).
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}"
+)
+
+
 def _groups(attributes: str) -> list[list[int]] | None:
     """The device groups of `replica_groups=` in any of XLA's three notations."""
     m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attributes)
@@ -282,13 +318,18 @@ def _groups(attributes: str) -> list[list[int]] | None:
         if m[3]:
             ids = ids.transpose([int(d) for d in m[3].split(",")])
         return ids.reshape(shape[0], -1).tolist()
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
+    m = _MESH_GROUPS.search(attributes)
     if m:
         axes = re.findall(r"'(\w+)'=(\d+)", m[1])
         names = [a for a, _ in axes]
         sizes = [int(s) for _, s in axes]
-        spanned = [names.index(a) for a in re.findall(r"'(\w+)'", m[2])]
-        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        spanned = [names.index(a) for a in re.findall(r"'(\w+)'", m[4])]
+        ids = np.arange(math.prod(sizes))
+        if m[2]:  # the mesh's devices, as an iota: `device_ids=([4,2]T(1,0))`
+            ids = ids.reshape([int(d) for d in m[2].split(",")])
+            if m[3]:
+                ids = ids.transpose([int(d) for d in m[3].split(",")])
+        ids = ids.reshape(sizes)
         rest = [i for i in range(len(sizes)) if i not in spanned]
         ids = ids.transpose(rest + spanned)
         return ids.reshape(-1, math.prod(sizes[i] for i in spanned) or 1).tolist()
@@ -362,6 +403,7 @@ def collectives(
             innermost = frames.line(int(frame[1]))
         elif re.search(r'source_file="([^"]*)"', rest):
             source = re.search(r'source_file="([^"]*)" source_line=(\d+)', rest)
+            innermost = (source[1], int(source[2])) if source else None
             if source and _is_user_code(source[1]):
                 where = (source[1], int(source[2]), "?")
         # HLO text escapes quotes: `inputs[\\'table\\']`.
@@ -379,6 +421,7 @@ def collectives(
                 function=where[2] if where else None,
                 op_name=name,
                 chain=chain if chain and chain[0] == where else (),
+                from_checks=_from_checks(innermost, chains, name),
             )
         )
     return tuple(found)
@@ -418,3 +461,32 @@ def _cut(chain: tuple[Frame, ...], root: str) -> tuple[Frame, ...]:
 def summary(found: tuple[Collective, ...]) -> dict[str, int]:
     """Bytes per kind, every kind listed."""
     return {k: sum(c.bytes for c in found if c.kind == k) for k in KINDS}
+
+
+def distinct(found: tuple[Collective, ...]) -> list[tuple[Collective, int]]:
+    """`(collective, how many)` for each distinct collective of `found`, in the
+    order first met: those of the same kind, bytes and mesh axes made by the same
+    line through the same calls are one (a layer of a Python loop makes its
+    collectives once per layer). Where no line of the user's code made them, JAX's
+    op name tells them apart; a line's op names differ from layer to layer (flax
+    names them by module) and are not compared."""
+    counts: dict[tuple, list] = {}
+    for c in found:
+        place = c.op_name if c.filename is None else (c.filename, c.lineno, c.chain)
+        key = (c.kind, c.bytes, c.axes, c.function, place)
+        counts.setdefault(key, [c, 0])[1] += 1
+    return [(c, n) for c, n in counts.values()]
+
+
+def describe(c: Collective, count: int = 1) -> str:
+    """`all-gather 16.0 MiB ×4 over fsdp at model.py:95 (einsum)`: a distinct
+    collective, and how many the program has (`distinct`)."""
+    times = f" ×{count}" if count > 1 else ""
+    axes = "" if c.axes is None else f" over {', '.join(c.axes) or '(none)'}"
+    return f"{c.kind} {describe_bytes(c.bytes)}{times}{axes} at {c.where}"
+
+
+def most_bytes(found: tuple[Collective, ...]) -> list[tuple[Collective, int]]:
+    """`distinct(found)`, the most bytes in all first (a layer's collective made
+    in 32 layers before one made once)."""
+    return sorted(distinct(found), key=lambda cn: -cn[0].bytes * cn[1])

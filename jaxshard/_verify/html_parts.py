@@ -171,15 +171,18 @@ def collectives(v: Any) -> str:
             for kind, entry in sorted((v.data.get("collectives") or {}).items())
             for f, n in sorted(entry.get("functions", {}).items())
         ]  # fmt: skip
+    checks = _checks_note(v.data.get("check_collectives"))
     if not sites:
         return _panel(
-            "Collectives", '<p class="muted">None: no device talks to another.</p>'
+            "Collectives",
+            '<p class="muted">None: no device talks to another.</p>' + checks,
         )
     most = max((s["bytes"] or 0 for s in sites), default=0) or 1
     rows = "".join(
         f'<tr><td><span class="chip">{esc(s["kind"])}</span></td>'
         f"<td>{_axes(v, s['axes'])}</td>"
-        f'<td class="num">×{s["count"]}</td><td class="num">{human(s["bytes"])}</td>'
+        f'<td class="num" title="{esc(_each(s))}">×{s["count"]}</td>'
+        f'<td class="num">{human(s["bytes"])}</td>'
         f'<td><div class="meter"><span style="width:'
         f'{100 * (s["bytes"] or 0) / most:.1f}%"></span></div></td>'
         f'<td title="{esc(s.get("where"))}">{_where(s)}</td></tr>'
@@ -192,8 +195,30 @@ def collectives(v: Any) -> str:
     return _panel(
         "Collectives by line of code, most bytes first",
         f'<table class="sites" id="top-lines">{rows}</table><p class="muted small">'
-        f"{count}, {human(total)} per device{tail}.</p>",
+        f"{count}, {human(total)} per device{tail}.</p>{checks}",
     )
+
+
+def _checks_note(found: dict | None) -> str:
+    """The collectives of jaxshard's value checks, apart from the model's."""
+    if not found:
+        return ""
+    kinds = ", ".join(
+        f"{kind} {e['count']} ({human(e['bytes'])})"
+        for kind, e in sorted(found.items())
+    )
+    return (
+        '<p class="muted small" id="check-collectives">Besides, from jaxshard\'s '
+        f"value checks (left out of the budgets and the snapshot): {esc(kinds)}.</p>"
+    )
+
+
+def _each(site: dict) -> str:
+    """`4 of 16.0 MiB each`: a site is `count` collectives alike."""
+    each = site.get("each")
+    if each is None and site["bytes"] is not None and site["count"]:
+        each = site["bytes"] // site["count"]  # an older snapshot's site
+    return f"{site['count']} of {human(each)} each"
 
 
 def _where(site: dict) -> str:

@@ -105,8 +105,10 @@ def _sites(v: Any) -> str:
             f'<td class="mono">{esc(s["function"])}</td><td>{esc(s["kind"])}</td>'
             f"<td>{esc(axes)}</td>"
             + _num(s["count"], str(s["count"]))
+            + _num(s.get("each"), human(s.get("each")))
             + _num(s["bytes"], human(s["bytes"]))
             + f'<td class="mono small">{esc(s.get("where"))}</td></tr>'
         )
-    head = ["line", "function", "kind", "axes", "count", "bytes", "called from"]
+    head = ["line", "function", "kind", "axes", "count", "each", "bytes"]
+    head += ["called from"]
     return _table(v, "sites", "Collectives by line of code", head, rows)

@@ -21,7 +21,14 @@ from .._sharding.describe import (
 )
 from .._sharding.summary import array_row, ArrayRow, largest_first, table
 from . import snapshot as _snapshot
-from .collectives import Collective, collectives, KINDS, summary
+from .collectives import (
+    Collective,
+    collectives,
+    describe,
+    KINDS,
+    most_bytes,
+    summary,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +129,9 @@ class Report:
     - `collectives`: every collective of the compiled program, in program order, as
         `jaxshard.Collective`s (kind, bytes per device, mesh axes, and the line of
         your code it came from); `collective_bytes`: their bytes per kind.
+        `check_collectives`: those jaxshard's value checks add to combine their
+        findings across devices, left out of `collectives`, the budgets and the
+        snapshot (adding a check changes none of them).
     - `inputs`, `outputs`: every input and output array of the compiled program, by
         its path (`"params.wq"`, `"return['loss']"`), as a `jax.ShapeDtypeStruct`
         with the sharding XLA gave it.
@@ -217,10 +227,18 @@ class Report:
         return self.memory.total <= self.memory.hbm_bytes
 
     @ft.cached_property
-    def collectives(self) -> tuple[Collective, ...]:
+    def _every_collective(self) -> tuple[Collective, ...]:
         if self.compiled is None:  # XLA refused to compile it
             return ()
         return collectives(self.compiled.as_text(), self.mesh)
+
+    @property
+    def collectives(self) -> tuple[Collective, ...]:
+        return tuple(c for c in self._every_collective if not c.from_checks)
+
+    @property
+    def check_collectives(self) -> tuple[Collective, ...]:
+        return tuple(c for c in self._every_collective if c.from_checks)
 
     @property
     def collective_bytes(self) -> dict[str, int]:
@@ -266,15 +284,8 @@ class Report:
             "outputs": {k: _snapshot.layout(v) for k, v in self.outputs.items()},
             "memory": None if self.memory is None else dict(self.memory),
             "flops": self.flops,
-            "collectives": [
-                {
-                    "kind": c.kind,
-                    "bytes": c.bytes,
-                    "axes": None if c.axes is None else list(c.axes),
-                    "where": c.where,
-                }
-                for c in self.collectives
-            ],
+            "collectives": [_collective(c) for c in self.collectives],
+            "check_collectives": [_collective(c) for c in self.check_collectives],
         }
 
     def to_json(self) -> str:
@@ -332,20 +343,34 @@ class Report:
             lines.append(f"FLOPs per device: {self.flops:.3g}.")
         lines += _describe_arrays(self.arrays)
         lines += _describe_collectives(self.collectives)
+        if self.check_collectives:
+            lines.append(
+                "Collectives from jaxshard's value checks (left out of the budgets "
+                f"and the snapshot): {per_kind(self.check_collectives)}."
+            )
         lines += self.notes
         return "\n".join(lines)
+
+
+def _collective(c: Collective) -> dict:
+    axes = None if c.axes is None else list(c.axes)
+    return {"kind": c.kind, "bytes": c.bytes, "axes": axes, "where": c.where}
+
+
+def per_kind(found: tuple[Collective, ...]) -> str:
+    """`all-gather 18 (144.0 MiB), all-reduce 2 (256.0 MiB)`."""
+    counts = {k: sum(c.kind == k for c in found) for k in KINDS}
+    totals = summary(found)
+    return ", ".join(
+        f"{k} {counts[k]} ({_bytes(totals[k])})" for k in KINDS if counts[k]
+    )
 
 
 def _describe_collectives(found: tuple[Collective, ...]) -> list[str]:
     if not found:
         return ["Collectives: none."]
-    counts = {k: sum(c.kind == k for c in found) for k in KINDS}
-    totals = summary(found)
-    parts = [f"{k} {counts[k]} ({_bytes(totals[k])})" for k in KINDS if counts[k]]
-    lines = ["Collectives per device: " + ", ".join(parts) + "; the largest:"]
-    for c in sorted(found, key=lambda c: -c.bytes)[:5]:
-        axes = "" if c.axes is None else f" over {', '.join(c.axes) or '(none)'}"
-        lines.append(f"  {c.kind} {_bytes(c.bytes)}{axes} at {c.where}")
+    lines = [f"Collectives per device: {per_kind(found)}; the largest:"]
+    lines += [f"  {describe(c, n)}" for c, n in most_bytes(found)[:5]]
     return lines
 
 

@@ -241,7 +241,9 @@ def _collectives(old: dict, new: dict, report: Any) -> list:
                 c for c in report.collectives if c.kind == kind and _axes(c) == axes
             ]
             new_ones = [c for c in these if _function(c) in grown] or these
-            lines = sorted({c.where for c in new_ones})
+            # A place with many alike (a layer of a loop) is one, with its count.
+            places = sorted(Counter(c.where for c in new_ones).items())
+            lines = [f"{where} ×{k}" if k > 1 else where for where, k in places]
             at = f", at {', '.join(lines[:3])}" if lines else ""
             more = f" and {len(lines) - 3} more places" if len(lines) > 3 else ""
             parts.append(f"{n} more over {axes}{at}{more}")

@@ -32,8 +32,8 @@ from .._sharding.describe import (
     describe_mesh,
     naming,
 )
-from .._sharding.signature import _name, _POSITIONAL, _tree, signature
 from .._sharding.partitioning import check_partitioning, Partitioned
+from .._sharding.signature import _name, _POSITIONAL, _tree, signature
 from .abstract import _bound_inputs
 from .budgets import (
     _budget_rows,

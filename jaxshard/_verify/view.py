@@ -2,8 +2,9 @@
 `report.html()` draws from it (`html`): the verdict and each violation with its
 source line, each input's and output's shape, dtype and spec over the mesh's axes
 with its bytes (an input's also beyond an even share over the devices), the
-collectives grouped by the line of code they came from, the HBM of a device and the
-program's code size and FLOPs, and the snapshot compared with.
+distinct collectives with the line of code each came from (and those of jaxshard's
+value checks, per kind), the HBM of a device and the program's code size and FLOPs,
+and the snapshot compared with.
 
 None of it is compared: a snapshot written before these keys existed still loads,
 and is drawn with what it has.
@@ -15,7 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from .._annotations.spec import format_spec
-from .collectives import _relative
+from .collectives import _relative, distinct
 
 
 def view(report: Any) -> dict:
@@ -35,6 +36,7 @@ def view(report: Any) -> dict:
             "outputs": {k: array(v) for k, v in report.outputs.items()},
         },
         "sites": sites(report.collectives),
+        "check_collectives": _per_kind(getattr(report, "check_collectives", ())),
         "program": {
             "code": None if memory is None else memory["code"],
             "hbm_bytes": None if memory is None else memory["hbm_bytes"],
@@ -44,6 +46,16 @@ def view(report: Any) -> dict:
         "against": report.against,
         "notes": list(report.notes),
     }
+
+
+def _per_kind(found: Any) -> dict[str, dict]:
+    """`{kind: {"count": n, "bytes": total}}` of the kinds in `found`."""
+    out: dict[str, dict] = {}
+    for c in found:
+        entry = out.setdefault(c.kind, {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += c.bytes
+    return out
 
 
 def _violation(row: Any) -> dict:
@@ -101,31 +113,25 @@ def _axes(entry: Any) -> list[str]:
 
 
 def sites(found: Any) -> list[dict]:
-    """The collectives grouped by the line of code they came from, their kind and
-    mesh axes; the most bytes first."""
-    groups: dict[tuple, dict] = {}
-    for c in found:
+    """The distinct collectives (`collectives.distinct`: a layer's, once for all
+    the layers of a loop), each with how many the program has, the bytes of one
+    and of all of them, and the line of code it came from; the most bytes first."""
+    out = []
+    for c, count in distinct(found):
         if c.filename is None:
             line, function = "", c.op_name or "(made by XLA)"
         else:
             line, function = f"{_relative(c.filename)}:{c.lineno}", c.function or ""
-        axes = None if c.axes is None else list(c.axes)
-        key = (line, function, c.kind, str(axes))
-        group = groups.setdefault(
-            key,
+        out.append(
             {
                 "line": line,
                 "function": function,
                 "kind": c.kind,
-                "axes": axes,
-                "count": 0,
-                "bytes": 0,
+                "axes": None if c.axes is None else list(c.axes),
+                "count": count,
+                "each": c.bytes,
+                "bytes": c.bytes * count,
                 "where": c.where,
-            },
+            }
         )
-        group["count"] += 1
-        group["bytes"] += c.bytes
-    return sorted(
-        groups.values(),
-        key=lambda g: (-g["bytes"], g["line"], g["kind"], g["function"]),
-    )
+    return sorted(out, key=lambda g: (-g["bytes"], g["line"], g["kind"]))

@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxshard
 from jaxshard import Float
-from jaxshard._verify import collectives as _collectives
+from jaxshard._verify import collectives as _collectives, snapshot as _snapshot
+from jaxshard._verify.collectives import KINDS as _KINDS
 
 
 def contract(
@@ -96,6 +97,11 @@ def test_async_pairs_count_once_on_a_tpu(tpu_topology):
         ("replica_groups=[2,2]<=[2,2]T(1,0), x", [[0, 2], [1, 3]]),
         ("replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_0'}, x", [[0, 2], [1, 3]]),
         ("replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_1'}, x", [[0, 1], [2, 3]]),
+        (
+            "replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], "
+            "device_ids=([4,2]T(1,0)) {'axis_1'}, use_global_device_ids=true",
+            [[0, 1], [2, 3], [4, 5], [6, 7]],
+        ),
     ],
 )
 def test_replica_group_notations(attributes, groups):
@@ -189,3 +195,140 @@ def test_a_collective_shows_the_calls_that_led_to_it(auto_mesh):
     assert found.chain[1][1] == line_of(attention, "project(")
     assert found.where.startswith("tests/verify/test_collectives.py:")
     assert " ← :" in found.where and "(attention)" in found.where
+
+
+# --- alike collectives, one line each -----------------------------------------------
+
+
+def sine_layer(x, w):
+    return jnp.sin(x @ w)  # a sum over "tp": an all-reduce
+
+
+def loop_of(layers: int):
+    """A model of `layers` alike blocks in a Python loop: one all-reduce each."""
+
+    def looped(
+        x: Float[Array, "b d", P(None, "tp")], ws: Float[Array, "l d d", P(None, "tp")]
+    ) -> Float[Array, "b d"]:
+        for i in range(layers):
+            x = jax.lax.with_sharding_constraint(sine_layer(x, ws[i]), P(None, "tp"))
+        return x
+
+    return looped
+
+
+def scanned(
+    x: Float[Array, "b d", P("dp", None)],
+    ws: Float[Array, "l k d d", P(None, None, "tp")],
+) -> Float[Array, "b d"]:
+    def layer(x, w):
+        for i in range(w.shape[0]):  # k alike projections in each scanned layer
+            x = jax.lax.with_sharding_constraint(sine_layer(x, w[i]), P("dp", None))
+        return x, None
+
+    return jax.lax.scan(layer, x, ws)[0]
+
+
+def test_alike_collectives_are_one_line_with_a_count(auto_mesh, tmp_path):
+    """Four blocks in a Python loop make four alike all-reduces (kind, bytes, axes
+    and calls): one line, `×4`, in the text, the budget's reason, the page and the
+    snapshot's differences; every count stays exact."""
+    dims = {"b": 64, "d": 32, "l": 4}
+    golden = tmp_path / "two.json"
+    jaxshard.verify(loop_of(2), mesh=auto_mesh, dims=dims).save(golden)
+    report = jaxshard.verify(
+        loop_of(4),
+        mesh=auto_mesh,
+        dims=dims,
+        max_collectives={"all-reduce": 3},
+        against=golden,
+        raise_on_error=False,
+    )
+    reduces = [c for c in report.collectives if c.kind == "all-reduce"]
+    assert len(reduces) == 4 and len(set(reduces)) == 1
+    at = f"{os.path.relpath(__file__)}:{line_of(sine_layer, 'x @ w')} (sine_layer)"
+    text = str(report)
+    (line,) = [x for x in text.splitlines() if x.startswith("  all-reduce")]
+    assert line.startswith(f"  all-reduce 4.0 KiB ×4 over tp at {at} ← :")
+    assert "Collectives per device: all-reduce 4 (16.0 KiB)" in text
+    budget, difference = (
+        r for r in report.violations if r.name.endswith("collectives: all-reduce")
+    )
+    assert budget.reason.startswith("4 all-reduces, over the budget of <= 3: ")
+    assert budget.reason.count(at) == 1 and "×4" in budget.reason
+    assert difference.reason.startswith("2 in the snapshot, 4 now: 2 more over tp,")
+    assert difference.reason.count(at) == 1 and difference.reason.endswith("×4.")
+    sites = _snapshot.snapshot(report)["sites"]
+    (site,) = [s for s in sites if s["kind"] == "all-reduce"]
+    assert (site["count"], site["each"], site["bytes"]) == (4, 4096, 4 * 4096)
+    assert "×4" in report.html()
+
+
+def test_a_scanned_layers_alike_collectives_are_one_line(auto_mesh):
+    report = jaxshard.verify(
+        scanned, mesh=auto_mesh, dims={"b": 64, "d": 32, "l": 3, "k": 4}
+    )
+    reduces = [c for c in report.collectives if c.kind == "all-reduce"]
+    assert len(reduces) == 4  # the scan's body, compiled once
+    lines = [x for x in str(report).splitlines() if x.startswith("  all-reduce")]
+    assert len(lines) == 1 and " ×4 over tp at " in lines[0]
+    assert f"{line_of(sine_layer, 'x @ w')} (sine_layer)" in lines[0]
+
+
+# --- the value checks' own collectives ----------------------------------------------
+
+
+def summed(checks: bool):
+    """A model with an all-reduce of its own, and with `checks` two value checks,
+    whose findings are combined across devices."""
+
+    def model(x: Float[Array, "b d", P("dp", "tp")]) -> Float[Array, "d", P("tp")]:
+        if checks:
+            jaxshard.check_finite(x, "x")
+        y = jnp.sin(x)
+        if checks:
+            jaxshard.check_finite(y, "y")
+        return jnp.sum(y, axis=0)  # a sum over "dp": an all-reduce
+
+    return model
+
+
+def test_the_value_checks_collectives_are_apart(mesh, tmp_path):
+    """Two `check_finite`s add their own collectives: listed apart, and left out
+    of `report.collectives`, the budgets and the snapshot's differences."""
+    dims = {"b": 64, "d": 32}
+    golden = tmp_path / "without.json"
+    without = jaxshard.verify(summed(False), mesh=mesh, dims=dims)
+    without.save(golden)
+    budget = {k: sum(c.kind == k for c in without.collectives) for k in _KINDS}
+    report = jaxshard.verify(
+        summed(True),
+        mesh=mesh,
+        dims=dims,
+        max_collectives=budget,
+        max_collective_bytes=sum(c.bytes for c in without.collectives),
+        against=golden,
+        tolerance=10.0,  # the checks' state takes memory: not what is tested
+    )
+    assert report.collectives == without.collectives
+    assert [c.kind for c in report.collectives] == ["all-reduce"]
+    assert report.check_collectives and not without.check_collectives
+    assert all(c.from_checks for c in report.check_collectives)
+    assert not any(c.from_checks for c in report.collectives)
+    text = str(report)
+    assert "Collectives from jaxshard's value checks (left out of the budgets" in text
+    data = report.to_dict()
+    assert len(data["check_collectives"]) == len(report.check_collectives)
+    assert (
+        _snapshot.snapshot(report)["collectives"]
+        == (_snapshot.snapshot(without)["collectives"])
+    )
+    assert 'id="check-collectives"' in report.html()
+
+
+def test_which_files_are_the_checks():
+    from jaxshard._values import shard_map, stats
+
+    assert _collectives._is_check_code(stats.__file__)
+    assert not _collectives._is_check_code(shard_map.__file__)  # the model's blocks
+    assert not _collectives._is_check_code(__file__)

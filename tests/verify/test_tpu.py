@@ -131,7 +131,9 @@ def test_value_checks_on_auto_axes_of_a_topology_are_compiled_out(tpu_topology):
     assert quiet.collectives == report.collectives
     explicit = tpu_topology("v5e:2x2", {"dp": 2, "tp": 2}, axis_types="explicit")
     report = jaxshard.verify(f, mesh=explicit, dims=dims)
-    assert report.ok and len(report.collectives) == 1  # the checks' all-reduce
+    assert report.ok and report.collectives == ()
+    (found,) = report.check_collectives  # the checks' all-reduce, on a TPU too
+    assert found.kind == "all-reduce" and found.from_checks
 
 
 def test_unknown_topology_names_the_known_chips():
