@@ -22,6 +22,7 @@ others).
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -377,7 +378,7 @@ class QuantArray:
 
 
 def _int8_init(key: Array, shape: tuple, dtype: Any) -> Array:
-    return jax.random.randint(key, shape, -127, 128, dtype)
+    return jnp.round(_noise(key, shape) * 127).astype(dtype)
 
 
 def quantize(x: Any) -> QuantArray:
@@ -438,7 +439,19 @@ class _Init:
         return jax.tree.unflatten(treedef, make(key))
 
 
-_he = jax.nn.initializers.he_normal(in_axis=0, out_axis=-1)
+def _noise(key: Array, shape: tuple) -> Array:
+    """Deterministic values in [-1, 1] that differ by key: jax.random's normal costs
+    seconds to compile for a few dozen weights on 8 CPU devices, this nothing."""
+    seed = jax.random.key_data(key).ravel()[-1].astype(jnp.float32)
+    n = math.prod(shape)
+    return jnp.sin(jnp.arange(n, dtype=jnp.float32) * 12.9898 + seed).reshape(shape)
+
+
+def _he(key: Array, shape: tuple, dtype: Any) -> Array:
+    """He-scaled over the first axis."""
+    return (_noise(key, shape) * (6.0 / shape[0]) ** 0.5).astype(dtype)
+
+
 _ones = jax.nn.initializers.ones
 
 # The adopter's annotations, in the model's own logical names.
@@ -528,7 +541,10 @@ class MoELayer(_Init):
         down_names = ("moe_e_experts", "moe_e_down_ffw", "moe_e_down_embed")
         if cfg.copy_pasted_expert_names:
             down_names = up_names
-        init = jax.nn.initializers.he_normal(in_axis=1, out_axis=2)
+
+        def init(key, shape, dtype):  # He-scaled over each expert's input axis
+            return (_noise(key, shape) * (6.0 / shape[1]) ** 0.5).astype(dtype)
+
         layer = MoELayer(
             w_router=ArrayInfo((d, e), jnp.float32, ("moe_e_up_embed", None), _he),
             we_gate=ArrayInfo((e, d, f), jnp.float32, up_names, init),
@@ -725,7 +741,7 @@ def moe_block(x: Act, layer: MoELayer, cfg: Config) -> Act:
         up = jnp.einsum("btd,edf->ebtf", x, _dense(we_up))
         out = jnp.einsum("ebtf,efd->ebtd", jax.nn.silu(gate) * up, _dense(we_down))
         out = jnp.einsum("ebtd,bte->btd", out, combine)
-        return jax.lax.psum(out, (ep, tp))
+        return jax.lax.psum(out, tuple(a for a in (ep, tp) if a is not None))
 
     out = experts(x, *weights, combine)
     return jax.sharding.reshard(out, _l2p(cfg, "batch", "sequence", "act_embed"))
@@ -931,3 +947,16 @@ def make_maxtext(mesh, wrong_moe_layer: int | None = None):
     data = NamedSharding(mesh, P(("data", "fsdp", "fsdp_transpose", "expert")))
     batch = jax.random.randint(jax.random.key(1), (8, 16), 0, 64)
     return model, params, jax.device_put(batch, data)
+
+
+def abstract_weights(cfg: Config) -> Weights:
+    """The weights as `jax.ShapeDtypeStruct`s laid out by `Weights.shardings(cfg)`,
+    for `jax.jit(...).lower` or `jaxshard.verify`."""
+    return jax.tree.map(
+        lambda info, sharding: jax.ShapeDtypeStruct(
+            info.shape, info.dtype, sharding=sharding
+        ),
+        Weights.abstract(cfg),
+        Weights.shardings(cfg),
+        is_leaf=is_info,
+    )

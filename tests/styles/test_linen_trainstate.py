@@ -1,0 +1,269 @@
+"""flax linen as flax's examples/lm1b writes it (tests/styles.py, `make_lm1b`): a
+TrainState made by a jitted init with `out_shardings`, and a train step jitted with
+`in_shardings=(state_shardings, data_sharding, None)`, `static_argnums=(2, 3, 4)` and
+`donate_argnums=0`, under the contracts an adopter adds (issue 49)."""
+
+import os
+import traceback
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from styles import LM1B_MESH_AXES, LM1B_RULES, make_lm1b, misplaced, TransformerLM
+
+import jaxshard
+
+
+# Block 1's first MLP kernel, as jax.tree_util.keystr writes its path in the state.
+KERNEL = (
+    ".params['decoder']['encoderdecoderblock_1']['MlpBlock_0']['Dense_0']['kernel']"
+)
+MOMENTS = [f".opt_state[0].{m}{KERNEL.removeprefix('.params')}" for m in ("mu", "nu")]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    assert jax.device_count() == 8
+    mesh = jax.make_mesh((2, 2, 2), LM1B_MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return make_lm1b(mesh)
+
+
+def fresh(state):
+    """A copy of the state, laid out as it is: the step donates what it is given."""
+    return jax.tree.map(jnp.copy, state)
+
+
+def transposed(lm, paths=(KERNEL,)):
+    """The state with the leaves at `paths` placed P('tensor', 'fsdp'), where the
+    rules place them P('fsdp', 'tensor')."""
+    state = fresh(lm.state)
+    for path in paths:
+        state = misplaced(state, path, NamedSharding(lm.mesh, P("tensor", "fsdp")))
+    return state
+
+
+def in_force(lm):
+    """The mesh and the adopter's rules (flax's too) in force."""
+    return jax.set_mesh(lm.mesh), jaxshard.axis_rules(LM1B_RULES)
+
+
+def _ends_in_this_file(error: BaseException) -> bool:
+    last = traceback.extract_tb(error.__traceback__)[-1]
+    return os.path.samefile(last.filename, __file__)
+
+
+# --- (1) the contracts hold on the code as written ----------------------------------
+
+
+@pytest.mark.parametrize("with_shardings", [True, False])
+def test_the_step_as_lm1b_jits_it_holds_its_contracts(lm, with_shardings):
+    mesh, rules = in_force(lm)
+    with mesh, rules:
+        step = jaxshard.checked(lm.jitted(with_shardings))
+        state, first = step(*lm.args(fresh(lm.state)))
+        state, second = step(*lm.args(state))
+    assert jnp.isfinite(first["loss"]) and jnp.isfinite(second["loss"])
+    assert int(state.step) == 2
+
+
+def test_the_forward_pass_eagerly_holds_its_contracts(lm):
+    mesh, rules = in_force(lm)
+    with mesh, rules:
+        logits = TransformerLM(lm.config.replace(deterministic=True)).apply(
+            {"params": lm.state.params}, lm.batch["inputs"]
+        )
+    assert logits.shape == (8, lm.config.max_len, lm.config.vocab_size)
+
+
+def test_the_state_is_checked_against_its_own_logical_specs(lm):
+    """`nn.get_partition_spec` of the abstract state (logical names in P's), as lm1b
+    computes it; lm1b's table leaves "kv" out, which flax reads as unsharded."""
+    with jaxshard.axis_rules(LM1B_RULES, unknown="replicated"):
+        jaxshard.check_partitioning(lm.state, lm.state_specs)
+        with pytest.raises(jaxshard.ShardingError) as caught:
+            jaxshard.check_partitioning(transposed(lm), lm.state_specs)
+    message = str(caught.value)
+    assert "1 array" in message.splitlines()[0]
+    assert KERNEL in message
+    assert "P('tensor', 'fsdp')" in message and "P('fsdp', 'tensor')" in message
+
+
+@pytest.mark.xfail(
+    reason="issue 49 point 4: a misplaced weight's path is not on the message's "
+    "first line ('check_partitioning(params): 1 array is not partitioned as its "
+    "metadata says:')",
+    strict=True,
+)
+def test_the_misplaced_kernel_is_on_the_first_line(lm):
+    with jaxshard.axis_rules(LM1B_RULES, unknown="replicated"):
+        with pytest.raises(jaxshard.ShardingError) as caught:
+            jaxshard.check_partitioning(transposed(lm), lm.state_specs)
+    assert KERNEL in str(caught.value).splitlines()[0]
+
+
+@pytest.mark.xfail(
+    reason="issue 49 point 5: under flax's own nn.logical_axis_rules, a logical name "
+    "the table leaves out ('kv' in lm1b's) is an error, where flax lays it out "
+    "unsharded: 12 false violations on lm1b's attention kernels",
+    strict=True,
+)
+def test_the_boxes_lm1b_makes_are_checked_under_flaxs_own_rules(lm):
+    model = TransformerLM(lm.config.replace(deterministic=True))
+    dummy = jnp.ones((2, lm.config.max_len), jnp.int32)
+    with jax.set_mesh(lm.mesh), nn.logical_axis_rules(LM1B_RULES):
+        abstract = jax.eval_shape(model.init, jax.random.key(0), dummy)
+        shardings = nn.logical_to_mesh_sharding(
+            nn.get_partition_spec(abstract), lm.mesh, LM1B_RULES
+        )
+        boxed = jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), dummy)
+        jaxshard.check_partitioning(boxed)
+
+
+# --- (2) a misplaced kernel against jit's in_shardings --------------------------------
+
+
+@pytest.mark.xfail(
+    reason="issue 49 point 1: with static_argnums, in_shardings (one per non-static "
+    "argument) are not matched to the arguments: 'lay out an arguments otherwise', "
+    "no argument named with its two layouts",
+    strict=True,
+)
+@pytest.mark.parametrize(
+    "paths", [[KERNEL], [KERNEL, *MOMENTS]], ids=["kernel", "and-moments"]
+)
+def test_a_kernel_placed_against_in_shardings_is_named_with_both_layouts(lm, paths):
+    mesh, rules = in_force(lm)
+    with mesh, rules:
+        with pytest.raises(jaxshard.ShardingError) as caught:
+            jaxshard.checked(lm.jitted())(*lm.args(transposed(lm, paths)))
+    lines = str(caught.value).splitlines()
+    count = "1 argument" if len(paths) == 1 else f"{len(paths)} arguments"
+    assert f"in_shardings lay out {count} otherwise" in lines[0]
+    for path in paths:
+        assert (
+            f"- state{path}: in_shardings say P('fsdp', 'tensor'), the array is "
+            "P('tensor', 'fsdp')."
+        ) in lines
+
+
+def test_a_kernel_placed_against_in_shardings_is_blamed(lm):
+    """What works today: the sibling diagnosis names the kernel by its path."""
+    mesh, rules = in_force(lm)
+    with mesh, rules:
+        with pytest.raises(jaxshard.ShardingError) as caught:
+            jaxshard.checked(lm.jitted())(*lm.args(transposed(lm)))
+    assert (
+        f"- state{KERNEL} is P('tensor', 'fsdp'), where 2 of its siblings are "
+        "P('fsdp', 'tensor')."
+    ) in str(caught.value).splitlines()
+    assert "train_step" in str(caught.value).splitlines()[0]
+
+
+# --- (2) the same kernel, the step jitted without in_shardings -----------------------
+
+
+@pytest.fixture(scope="module")
+def unsharded_step_error(lm):
+    """The error of `checked(jax.jit(train_step, static_argnums=(2, 3, 4)))` on the
+    state with block 1's kernel transposed (one compile, read by several tests)."""
+    mesh, rules = in_force(lm)
+    with mesh, rules:
+        step = jaxshard.checked(lm.jitted(with_shardings=False))
+        try:
+            step(*lm.args(transposed(lm)))
+        except jaxshard.ShardingError as error:
+            return error
+    pytest.fail("no ShardingError")
+
+
+def test_without_in_shardings_the_kernel_is_the_likely_cause(unsharded_step_error):
+    lines = str(unsharded_step_error).splitlines()
+    assert lines[1].startswith("The likely cause, among the program's inputs")
+    assert lines[2].endswith(
+        f"{KERNEL} is P('tensor', 'fsdp'), where 2 of its siblings are "
+        "P('fsdp', 'tensor')."
+    )
+
+
+@pytest.mark.xfail(
+    reason="issue 49 point 2: under checked, the kernel is named args[0].params[...] "
+    "(the wrapper's parameters), not state.params[...]",
+    strict=True,
+)
+def test_without_in_shardings_the_kernel_is_named_as_passed(unsharded_step_error):
+    lines = str(unsharded_step_error).splitlines()
+    assert lines[2].startswith(f"- state{KERNEL} is P('tensor', 'fsdp')")
+
+
+@pytest.mark.xfail(
+    reason="issue 49 point 3: the checked step's error says 'violated in "
+    "jit(program)', jaxshard's wrapper, not jit(train_step)",
+    strict=True,
+)
+def test_the_checked_steps_error_names_train_step(unsharded_step_error):
+    first = str(unsharded_step_error).splitlines()[0]
+    assert "violated in jit(train_step)" in first
+
+
+@pytest.mark.xfail(
+    reason="issue 49 point 6: the traceback ends in jaxshard/_sharding/probes.py "
+    "(_on_compile, through jax's monitoring callback), not at the user's call",
+    strict=True,
+)
+def test_the_traceback_ends_at_the_users_call(unsharded_step_error):
+    assert _ends_in_this_file(unsharded_step_error)
+
+
+# --- check_partitioning against the shardings lm1b computes ----------------------
+
+
+def test_the_state_is_checked_against_its_shardings(lm):
+    jaxshard.check_partitioning(lm.state, lm.state_shardings)
+    with pytest.raises(jaxshard.ShardingError) as caught:
+        jaxshard.check_partitioning(transposed(lm), lm.state_shardings)
+    message = str(caught.value)
+    assert KERNEL in message and "layout tree says P('fsdp', 'tensor')" in message
+    assert "P('tensor', 'fsdp')" in message
+
+
+@pytest.mark.xfail(
+    reason="issue 49 point 8: a TrainState's annotations cannot be read: "
+    "typing.get_type_hints raises NameError: name 'ArrayTree' is not defined "
+    "(check_tree, verify, shardings on a TrainState or a parameter annotated so)",
+    strict=True,
+)
+def test_check_tree_takes_a_train_state(lm):
+    jaxshard.check_tree(lm.state)  # no annotated field: nothing to check, no error
+
+
+@pytest.mark.tpu_topology
+@pytest.mark.xfail(
+    reason="issue 49 point 8: verify of a step whose state parameter is annotated "
+    "TrainState raises NameError: name 'ArrayTree' is not defined",
+    strict=True,
+)
+def test_the_step_verifies_for_a_v5e_slice(lm, tpu_topology):
+    mesh = tpu_topology("v5e:2x4", {"data": 2, "fsdp": 2, "tensor": 2})
+    shardings = nn.logical_to_mesh_sharding(lm.state_specs, mesh, LM1B_RULES)
+    state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        lm.state,
+        shardings,
+    )
+    data = NamedSharding(mesh, P(("data", "fsdp")))
+    values = {
+        "state": state,
+        "batch": {"inputs": jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=data)},
+        "config": lm.config,
+        "learning_rate_fn": lm.args()[3],
+        "label_smoothing": 0.0,
+        "dropout_rng": lm.dropout_rng,
+    }
+    from styles import train_step
+
+    report = jaxshard.verify(
+        train_step, mesh=mesh, values=values, dims={"batch": 8}, rules=LM1B_RULES
+    )
+    assert report.ok and len(report.rows) == 3
