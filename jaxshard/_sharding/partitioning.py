@@ -207,6 +207,22 @@ def _metadata(leaf: Any) -> tuple[Any, Any]:
     return None, None
 
 
+def unboxed_paths(tree: Any) -> list[tuple[tuple, Any]]:
+    """`(path, leaf)` for each leaf of `tree`, as `tree_flatten_with_path` gives
+    them, except that the leaf a flax box or nnx Variable holds has the box's path:
+    without the box's own `.value` key (`params['Dense_0']['kernel']`), which is no
+    part of the model."""
+    out = []
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]:
+        if not _is_box(node):
+            out.append((path, node))
+            continue
+        for inner, leaf in jax.tree_util.tree_flatten_with_path(node)[0]:
+            own = bool(inner) and getattr(inner[0], "name", None) == "value"
+            out.append((path + inner[1 if own else 0 :], leaf))
+    return out
+
+
 def _unboxed(leaf: Any) -> Any:
     if _is_variable(leaf):
         return leaf.get_value()

@@ -77,10 +77,12 @@ class Failure:
         element.
     - `filename`, `lineno`: where `jaxshard.check` was called.
     - `count`: how many elements failed (summed over every evaluation: all vmap
-        batch elements, loop iterations and calls since the flags were last read).
+        batch elements, loop iterations and calls since the flags were last read;
+        inside `shard_map`, over every device's block, a block that several devices
+        hold counted once).
     - `size`: how many elements the predicate has, per evaluation.
     - `element`: the index of the first failing element in the predicate, or `None`
-        for a scalar predicate.
+        for a scalar predicate; inside `shard_map`, in the block of `device`.
     - `batch_index`: the `vmap` batch indices of the first failure, outermost first,
         or `None` outside vmap.
     - `iteration`: how many times the check had run in its call before it first
@@ -113,20 +115,23 @@ class Failure:
     def __str__(self):
         where = []
         calls = self.calls or 1
+        device = self.device and ", ".join(f"{a}={i}" for a, i in self.device.items())
         if self.size > 1:
-            where.append(f"{self.count} element{'s' if self.count != 1 else ''} failed")
+            s = "s" if self.count != 1 else ""
+            # Inside shard_map the count is the blocks' together; the element, one's.
+            blocks = " across the blocks" if device else ""
+            where.append(f"{self.count} element{s} failed{blocks}")
         elif self.count > calls:  # a scalar check evaluated in a loop or under vmap
             where.append(f"failed {self.count} times")
         if self.element is not None:
-            where.append(f"first at element {list(self.element)}")
+            block = f" of the block on device {device}" if device else ""
+            where.append(f"first at element {list(self.element)}{block}")
         if self.batch_index is not None:
             where.append(f"vmap batch index {list(self.batch_index)}")
         if self.iteration is not None:
             where.append(f"iteration {self.iteration}")
-        if self.device is not None:
-            where.append(
-                "device " + ", ".join(f"{a}={i}" for a, i in self.device.items())
-            )
+        if device and self.element is None:
+            where.append(f"device {device}")
         if self.call is not None and calls > 1:
             where.append(f"failed on {calls} calls, first at call {self.call}")
         elif self.call is not None:

@@ -13,6 +13,7 @@ from .._errors import did_you_mean, expect
 from .._sharding.describe import (
     describe_bytes as _bytes,
 )
+from .._sharding.partitioning import unboxed_paths
 from .collectives import Collective, describe, KINDS, most_bytes
 from .report import _over_budget, Memory, Row
 
@@ -21,16 +22,32 @@ def layouts(values: Any, shardings: Any, root: str = "") -> dict[str, Any]:
     """Path -> `jax.ShapeDtypeStruct` with its sharding, for each array in `values`
     (a dict of parameters, with `root=""`: `params.wq`, `x`; or an output, with
     `root="return"`: `return['loss']`)."""
-    leaves = jax.tree_util.tree_flatten_with_path(values)[0]
+    leaves = unboxed_paths(values)  # a flax box's `.value` is no part of a path
     out = {}
     for (path, leaf), sharding in zip(leaves, jax.tree_util.tree_leaves(shardings)):
-        if not root:  # the first key is the parameter's name: `params['w1']`
-            first = getattr(path[0], "key", None) if path else None
-            name = f"{first}{jax.tree_util.keystr(path[1:])}" if first else str(path)
-        else:
-            name = root + jax.tree_util.keystr(path)
+        name = _name(path, root)
         out[name] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
     return out
+
+
+def input_names(values: Any, argument: str) -> dict[str, str]:
+    """JAX's name for each array of `values`, the dict of parameters passed to the
+    compiled program as its `argument` (`inputs['params']['w1'].value`, which names
+    a collective XLA makes for the input's layout) -> its path in the report
+    (`params['w1']`)."""
+    jax_paths = jax.tree_util.tree_flatten_with_path(values)[0]
+    return {
+        argument + jax.tree_util.keystr(raw): _name(path, "")
+        for (raw, _), (path, _) in zip(jax_paths, unboxed_paths(values))
+    }
+
+
+def _name(path: tuple, root: str) -> str:
+    if root:
+        return root + jax.tree_util.keystr(path)
+    # The first key is the parameter's name: `params['w1']`.
+    first = getattr(path[0], "key", None) if path else None
+    return f"{first}{jax.tree_util.keystr(path[1:])}" if first else str(path)
 
 
 def sharding_budget_rows(

@@ -39,7 +39,8 @@ class Collective:
     - `filename`, `lineno`, `function`: the line of user code it came from (the
         innermost frame outside JAX, jaxshard and installed packages); `None` when the
         program does not say.
-    - `op_name`: JAX's name for the operation it was made for (`jit(f)/dot_general`).
+    - `op_name`: JAX's name for the operation it was made for (`jit(f)/dot_general`),
+        or the path of the input whose layout it was made for (`params['w1']`).
     - `from_checks`: whether jaxshard's value checks made it, to combine their
         findings across devices (`report.check_collectives`), not the model.
     """
@@ -368,15 +369,21 @@ def _spanned(
 
 
 def collectives(
-    hlo_text: str, mesh: Any = None, chains: Any = None, root: str = ""
+    hlo_text: str,
+    mesh: Any = None,
+    chains: Any = None,
+    root: str = "",
+    inputs: Any = None,
 ) -> tuple[Collective, ...]:
     """Every collective in a compiled program's HLO text, in program order.
 
     `chains` (`user_frames_by_op` of the lowered module) gives each op's frames in
     the user's code, cut after the frame of the function `root` (the function being
     verified): the innermost of them is where a collective came from when the
-    compiled program's own frames name none (an op made inside flax, say)."""
-    chains = chains or {}
+    compiled program's own frames name none (an op made inside flax, say).
+    `inputs` renames the op named for an input (JAX's name for it) as the report
+    names the input."""
+    chains, inputs = chains or {}, inputs or {}
     types: dict[str, str] = {}
     found = []
     frames = None
@@ -419,7 +426,7 @@ def collectives(
                 filename=where[0] if where else None,
                 lineno=where[1] if where else None,
                 function=where[2] if where else None,
-                op_name=name,
+                op_name=inputs.get(name, name) if where is None else name,
                 chain=chain if chain and chain[0] == where else (),
                 from_checks=_from_checks(innermost, chains, name),
             )

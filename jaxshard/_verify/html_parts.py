@@ -75,6 +75,7 @@ def _violation(x: dict) -> str:
             f'<div class="layout small">expected <code>{esc(x["expected"])}</code>, '
             f"found <code>{esc(x['actual'])}</code>"
             + (f" · <code>{esc(x['type'])}</code>" if x.get("type") else "")
+            + (f", block <code>{esc(x['block'])}</code>" if x.get("block") else "")
             + "</div>"
         )
     else:

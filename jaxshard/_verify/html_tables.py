@@ -51,10 +51,16 @@ def _contracts(v: Any) -> str:
             f'<td class="mono">{esc(c.get("value"))}</td>'
             f'<td class="mono">{esc(c.get("expected"))}</td>'
             f'<td class="mono">{esc(c.get("actual"))}</td>'
-            f'<td class="mono">{esc(c.get("type"))}</td><td>{verdict}</td></tr>'
+            f'<td class="mono">{esc(_type(c))}</td><td>{verdict}</td></tr>'
         )
     head = ["function", "value", "expected", "actual", "as a JAX type", "verdict"]
     return _table(v, "contracts", "Contracts", head, rows)
+
+
+def _type(contract: dict) -> str:
+    """Inside a shard_map body: the global array's type, and the block's."""
+    block = contract.get("block")
+    return f"{contract.get('type')}, block {block}" if block else contract.get("type")
 
 
 def _arrays(v: Any, side: str, title: str) -> str:

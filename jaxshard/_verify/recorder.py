@@ -1,15 +1,22 @@
 """What `jaxshard.verify` records: every sharding check made while it traces and
 compiles (`Recorder`), as the report's rows."""
 
+import math
 import threading
 from typing import Any
 
-from jax.sharding import NamedSharding
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from .._annotations.spec import fill_unconstrained, sharded_type
-from .._sharding.describe import (
-    describe_sharding,
+from .._annotations import tensors
+from .._annotations.spec import (
+    axes_of,
+    fill_unconstrained,
+    format_spec,
+    sharded_type,
 )
+from .._jax_internals import varying_axes
+from .._sharding.describe import describe_array, describe_sharding
 from .._sharding.sites import call_numbers, describe_call, Site
 from .collectives import _relative
 from .report import (
@@ -23,20 +30,28 @@ class Recorder:
 
     def __init__(self, function: Any = None):
         self._lock = threading.Lock()
-        self._checks: list[tuple[Site, Any, str]] = []
+        self._checks: list[tuple[Site, Any, str, set[str]]] = []
         self.function = function  # the verified function, left out of call chains
 
     def add(self, site: Site, actual: Any, reason: str) -> None:
-        site.held.clear()  # the report tells values apart by their checks' order
+        # Inside a shard_map body, the axes the block varies over: whether it is
+        # the global array its annotation describes. Read from the value, which
+        # is dropped: the report tells values apart by their checks' order.
+        varying = _varying(site.held[0]) if site.held else set()
+        site.held.clear()
         with self._lock:
-            self._checks.append((site, actual, reason))
+            self._checks.append((site, actual, reason, varying))
 
     def rows(self) -> tuple[Row, ...]:
         """One row per distinct contract and outcome, in program order; a violation
         also per call it happened in."""
-        numbers = call_numbers([site for site, _, _ in self._checks])
+        numbers = call_numbers([check[0] for check in self._checks])
         found: dict[tuple, Row] = {}
-        for site, actual, reason in sorted(self._checks, key=lambda c: c[0].order):
+        for site, actual, reason, varying in sorted(
+            self._checks, key=lambda c: c[0].order
+        ):
+            block = _in_shard_map(site, actual, varying)
+            shape, actual = block or (site.shape, actual)
             row = Row(
                 function=_qualname(site.function),
                 name=site.name,
@@ -45,29 +60,71 @@ class Recorder:
                 ok=not reason,
                 reason=reason,
                 annotation=site.annotation,
-                array=site.array,
+                array=describe_array(site.dtype, shape) if block else site.array,
                 call=(
                     describe_call(site, numbers, short=True, within=self.function)
                     if reason
                     else ""
                 ),
-                types=_types(site, actual),
+                types=_types(site, shape, actual),
                 source=_source(site.function),
+                block=site.array if block else "",
             )
             key = (row.function, row.name, row.annotation, row.array, row.reason)
             found.setdefault((*key, row.call), row)
         return tuple(found.values())
 
 
-def _types(site: Site, actual: Any) -> tuple[str, str]:
-    """The expected and the actual layout in JAX's notation, `float32[8@dp,4]`."""
-    if isinstance(actual, NamedSharding):
+def _types(site: Site, shape: tuple, actual: Any) -> tuple[str, str]:
+    """The expected and the actual layout of an array of `shape` in JAX's notation,
+    `float32[8@dp,4]`."""
+    if isinstance(actual, PartitionSpec):  # a shard_map block's global array
+        expected = fill_unconstrained(site.spec, actual)
+        found = sharded_type(site.dtype, shape, actual)
+    elif isinstance(actual, str):  # a block that differs where it should not
+        expected = fill_unconstrained(site.spec, ())
+        found = ""
+    elif isinstance(actual, NamedSharding):
         expected = fill_unconstrained(site.spec, actual.spec, actual.mesh.shape)
-        found = sharded_type(site.dtype, site.shape, actual.spec)
+        found = sharded_type(site.dtype, shape, actual.spec)
     else:
         expected = fill_unconstrained(site.spec, ())
-        found = describe_sharding(actual, len(site.shape))
-    return sharded_type(site.dtype, site.shape, expected), found
+        found = describe_sharding(actual, len(shape))
+    return sharded_type(site.dtype, shape, expected), found
+
+
+def _varying(value: Any) -> set[str]:
+    value = tensors.jax_value(value)
+    return varying_axes(value) if isinstance(value, jax.core.Tracer) else set()
+
+
+def _in_shard_map(site: Site, actual: Any, varying: set[str]) -> tuple | None:
+    """Inside a `shard_map` body, where a value is one device's block: the global
+    array's shape and spec, which the annotation describes (`None` elsewhere). The
+    body's manual axes split it as the annotation says; the other axes are the
+    block's own. A block that differs over a manual axis the annotation does not
+    name is no such array: its spec says so, as text."""
+    manual = {a for a, t in site.axis_types.items() if t == AxisType.Manual}
+    if not manual or not isinstance(actual, NamedSharding):
+        return None
+    sizes = actual.mesh.shape
+    own = [*actual.spec, *[None] * len(site.shape)]
+    named = [*site.spec, *[None] * len(site.shape)]
+    shape, entries = [], []
+    for size, entry, mine in zip(site.shape, named, own):
+        axes = axes_of(entry)
+        split = [a for a in axes if a in manual or a in axes_of(mine)]
+        split += [a for a in axes_of(mine) if a not in axes]
+        shape.append(size * math.prod(sizes[a] for a in split if a in manual))
+        entries.append(
+            None if not split else split[0] if len(split) == 1 else tuple(split)
+        )
+    spec = PartitionSpec(*entries)
+    named = {a for entry in site.spec for a in axes_of(entry)}
+    extra = sorted(a for a in varying & manual - named if sizes[a] > 1)
+    if extra:  # where it differs is no dimension's: the reason tells
+        return tuple(shape), f"{format_spec(spec)}, differing over {', '.join(extra)}"
+    return tuple(shape), spec
 
 
 def _source(function: Any) -> str:

@@ -5,6 +5,7 @@ import dataclasses
 import functools as ft
 import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,7 +43,8 @@ class Row:
     - `name`: the parameter, a path into it (`"params.w1"`), or `"return"`.
     - `expected`: the annotation's `PartitionSpec`.
     - `actual`: the sharding the value has in the compiled program (after sharding
-        propagation on Auto meshes; from the type on Explicit meshes).
+        propagation on Auto meshes; from the type on Explicit meshes); inside a
+        `shard_map` body, the global array's `PartitionSpec` (see `block`).
     - `ok`: whether the two agree.
     - `reason`: what is wrong, as a sentence; `""` when `ok`.
     - `annotation`, `array`: the annotation and the value's dtype and shape, as text.
@@ -54,6 +56,9 @@ class Row:
         every call).
     - `source`: where the annotated function is defined, `"model.py:42"` (`""` for
         a budget).
+    - `block`: inside a `shard_map` body, the block one device holds,
+        `"float32[16,32]"`; `array`, `actual` and the types are then the global
+        array's, which the annotation describes (`""` elsewhere).
     """
 
     function: str | None
@@ -68,6 +73,7 @@ class Row:
     types: tuple[str, str] = ("", "")  # expected_type, actual_type
     budget: tuple[str, str] | None = None  # (limit, found) of a collective budget
     source: str = ""
+    block: str = ""
 
     @property
     def expected_type(self) -> str:
@@ -85,8 +91,10 @@ class Row:
 
 
 def _describe(sharding: Any, expected: PartitionSpec) -> str:
-    if isinstance(sharding, NamedSharding):
-        spec = list(sharding.spec)
+    if isinstance(sharding, str):  # a shard_map block that is no global array
+        return sharding
+    if isinstance(sharding, (NamedSharding, PartitionSpec)):
+        spec = list(getattr(sharding, "spec", sharding))
         spec += [None] * max(0, len(expected) - len(spec))
         while len(spec) > len(expected) and spec[-1] is None:
             spec.pop()
@@ -270,6 +278,7 @@ class Report:
                     "function": r.function,
                     "name": r.name,
                     "array": r.array,
+                    **({"block": r.block} if r.block else {}),
                     "expected": r.budget[0] if r.budget else format_spec(r.expected),
                     "actual": r.actual_spec,
                     "expected_type": r.expected_type,
@@ -304,7 +313,7 @@ class Report:
                     r.name or "",
                     r.budget[0] if r.budget else format_spec(r.expected),
                     r.actual_spec,
-                    r.actual_type or r.array,
+                    _jax_type(r),
                     "ok" if r.ok else "VIOLATED",
                 )
             )
@@ -408,8 +417,25 @@ def tally(violations: tuple[Row, ...], rows: tuple[Row, ...] = ()) -> str:
 def _violation(row: Row) -> str:
     if row.budget is not None:
         return f"{row.name}: {row.reason}"
-    what = subject(row.function and (row.call or row.function), row.name)
-    return f"{what} ({row.array}, annotated {row.annotation}): {row.reason}"
+    what = _subject(row.function and (row.call or row.function), row.name)
+    block = f", inside shard_map a block {row.block} per device" if row.block else ""
+    return f"{what} ({row.array}{block}, annotated {row.annotation}): {row.reason}"
+
+
+def _subject(function: str | None, name: str | None) -> str:
+    """`model, field 'params.wq'`: a path into a parameter (a dataclass's,
+    NamedTuple's or Module's field, or a leaf of a dict or list) is no parameter."""
+    if function is None or not name or not re.search(r"[.\[]", name):
+        return subject(function, name)
+    noun = "field" if re.search(r"\.\w+$", name) else "leaf"
+    return f"{function}, {noun} {name!r}"
+
+
+def _jax_type(row: Row) -> str:
+    """The table's type: inside a shard_map body, the global array's, and the
+    block each device holds."""
+    shown = row.actual_type or row.array
+    return f"{shown}, block {row.block}" if row.block else shown
 
 
 def _check_tolerance(tolerance: Any) -> None:

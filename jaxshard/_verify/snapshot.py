@@ -46,6 +46,8 @@ def snapshot(report: Any) -> dict:
             "actual": row.actual_spec,
             "type": row.actual_type or row.array,
             "ok": row.ok,
+            # Inside a shard_map body: the block a device holds (not compared).
+            **({"block": row.block} if row.block else {}),
         }
         for row in report.rows
         if row.budget is None

@@ -39,6 +39,7 @@ from .budgets import (
     _budget_rows,
     _check_budget,
     _does_not_fit,
+    input_names,
     layouts,
     sharding_budget_rows,
 )
@@ -306,7 +307,8 @@ def _report(
         budget = (_does_not_fit(refused),)
     else:
         text = compiled.as_text()
-        found = collectives(text, mesh, chains, qualname.qualname)
+        named = input_names(inputs.traced, "inputs")  # as `program` names them
+        found = collectives(text, mesh, chains, qualname.qualname, named)
         if " while(" in text:  # a loop: `%while.3 = ... while(%tuple.2)`
             notes += (
                 "FLOPs count each loop's body once, as XLA's cost analysis does: for "

@@ -71,6 +71,7 @@ def _violation(row: Any) -> dict:
         "call": row.call,
         "value": row.name or "",
         "array": row.array,
+        "block": row.block,
         "annotation": row.annotation,
         "expected": row.budget[0] if row.budget else format_spec(row.expected),
         "actual": row.actual_spec,

@@ -252,3 +252,59 @@ def test_the_report_says_what_its_flops_count(auto_mesh):
     assert "each loop's body once" in str(report)
     flat = jaxshard.verify(lambda x: x, mesh=auto_mesh, values={"x": jnp.ones(8)})
     assert flat.notes == ()
+
+
+def test_paths_end_before_flax_boxes(tmp_path):
+    """A flax linen box (`nn.LogicallyPartitioned`) and an nnx Variable hold their
+    array in `.value`, which is no part of the model: the inputs' and outputs'
+    paths end before it, in the report, the snapshot, the page and the messages."""
+    import flax.linen as nn
+    import optax
+    from decoders import (
+        BATCH,
+        LENGTH,
+        linen_init,
+        linen_train_step,
+        LinenDecoder,
+        make_nnx,
+        RULES,
+    )
+
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=auto)
+    init = linen_init(LinenDecoder(), optax.adamw(1e-3))
+    with nn.logical_axis_rules(RULES):
+        dummy = jnp.ones((BATCH, LENGTH), jnp.int32)
+        state = jax.eval_shape(init, jax.random.key(0), dummy)
+        batch = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
+        linen = jaxshard.verify(
+            linen_train_step,
+            mesh=mesh,
+            values={"state": state, "batch": batch},
+        )
+        nnx = make_nnx(mesh)
+        nnx = jaxshard.verify(
+            nnx.loss,
+            mesh=mesh,
+            values={"state": nnx.state, "batch": nnx.batch},
+            max_collectives={"all-gather": 0},  # its reason names inputs' paths
+            raise_on_error=False,
+        )
+    embedding = "state.params['Embed_0']['embedding']"
+    assert embedding in linen.inputs and "return[0]" + embedding[5:] in linen.outputs
+    assert "state[0]['blocks'][0]['mlp']['up']" in nnx.inputs
+    linen.save(tmp_path / "linen.json")
+    nnx.save(tmp_path / "nnx.json")
+    for text in (
+        str(linen),
+        str(nnx),
+        linen.html(),
+        (tmp_path / "linen.json").read_text(),
+        (tmp_path / "nnx.json").read_text(),
+    ):
+        assert "].value" not in text
+    (gathers,) = nnx.violations
+    assert ".value" not in gathers.reason
+    # One made for an input's layout is named by the input's path, as the report's.
+    for c in nnx.collectives:
+        assert c.filename or "/" in c.op_name or c.op_name in nnx.inputs, c.op_name
