@@ -39,6 +39,26 @@ import jaxshard
 from jaxshard import Float, Int, Int8, L
 
 
+def _noise(key: Array, shape: tuple) -> Array:
+    """Deterministic values in [-1, 1] that differ by key: jax.random's normal costs
+    seconds to compile for a few dozen weights on 8 CPU devices, this nothing."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    seed = key.ravel()[-1].astype(jnp.float32)
+    n = math.prod(shape)
+    return jnp.sin(jnp.arange(n, dtype=jnp.float32) * 12.9898 + seed).reshape(shape)
+
+
+def noise_init(scale: float = 1.0) -> Callable:
+    """An initializer of `_noise` times `scale` over the square root of the first
+    dimension (flax's and jax's `(key, shape, dtype)`)."""
+
+    def init(key: Array, shape: tuple, dtype: Any = jnp.float32) -> Array:
+        return (_noise(key, shape) * scale / shape[0] ** 0.5).astype(dtype)
+
+    return init
+
+
 # --- flax linen, as flax's examples/lm1b ---------------------------------------------
 
 # As lm1b's config writes them, lists; "batch" added by the adopter for the
@@ -69,8 +89,8 @@ class LmConfig:
     max_len: int = 16
     dropout_rate: float = 0.0  # the dropout layers and their rng, without the cost
     deterministic: bool = False
-    kernel_init: Callable = nn.initializers.xavier_uniform()
-    bias_init: Callable = nn.initializers.normal(stddev=1e-6)
+    kernel_init: Callable = noise_init()  # xavier_uniform in lm1b
+    bias_init: Callable = nn.initializers.zeros
 
 
 def _named(init: Callable, *names) -> Callable:
@@ -135,13 +155,13 @@ class Decoder(nn.Module):
         embed = nn.Embed(
             cfg.vocab_size,
             cfg.emb_dim,
-            embedding_init=_named(nn.initializers.normal(stddev=1.0), "vocab", "embed"),
+            embedding_init=_named(noise_init(8.0), "vocab", "embed"),
         )
         y = embed(jnp.pad(inputs, ((0, 0), (1, 0)))[:, :-1])  # shifted right
         # A learned position embedding without metadata, as lm1b's AddPositionEmbs.
         pos = self.param(
             "pos_embedding",
-            nn.initializers.normal(stddev=0.02),
+            noise_init(0.02),
             (1, cfg.max_len, cfg.emb_dim),
         )
         y = y + pos[:, : y.shape[1]]
@@ -269,13 +289,14 @@ def misplaced(tree, path: str, sharding) -> Any:
     """`tree` with the leaf at `path` (a `jax.tree_util.keystr`) placed by
     `sharding`, as a checkpoint restored with the wrong shardings would have it."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    found = [jax.tree_util.keystr(p) for p, _ in leaves]
+    # A flax box holds its array in `.value`: the path names the box.
+    found = [jax.tree_util.keystr(p).removesuffix(".value") for p, _ in leaves]
     assert path in found, (path, found)
     return jax.tree_util.tree_unflatten(
         treedef,
         [
-            jax.device_put(x, sharding) if jax.tree_util.keystr(p) == path else x
-            for p, x in leaves
+            jax.device_put(x, sharding) if where == path else x
+            for where, (_, x) in zip(found, leaves)
         ],
     )
 
@@ -437,14 +458,6 @@ class _Init:
             ]
 
         return jax.tree.unflatten(treedef, make(key))
-
-
-def _noise(key: Array, shape: tuple) -> Array:
-    """Deterministic values in [-1, 1] that differ by key: jax.random's normal costs
-    seconds to compile for a few dozen weights on 8 CPU devices, this nothing."""
-    seed = jax.random.key_data(key).ravel()[-1].astype(jnp.float32)
-    n = math.prod(shape)
-    return jnp.sin(jnp.arange(n, dtype=jnp.float32) * 12.9898 + seed).reshape(shape)
 
 
 def _he(key: Array, shape: tuple, dtype: Any) -> Array:
@@ -858,7 +871,7 @@ MtTokens = Int[Array, "batch length", L("activation_batch", "activation_length")
 
 
 def _mt_param(module: nn.Module, name: str, shape: tuple, names: tuple) -> Array:
-    init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+    init = noise_init()  # MaxText's truncated normal, cheaper to compile
     return module.param(name, nn.with_logical_partitioning(init, names), shape)
 
 
@@ -897,8 +910,10 @@ class MtMoeBlock(nn.Module):
         top_w, top_i = jax.lax.top_k(jax.nn.softmax(x @ gate, axis=-1), self.top_k)
         combine = jnp.sum(jax.nn.one_hot(top_i, e) * top_w[..., None], axis=-2)
         h = jax.nn.silu(jnp.einsum("btd,edm->btem", x, wi))
-        # Unconstrained: the return annotation states the layout.
-        return jnp.einsum("btem,emd,bte->btd", h, wo, combine)
+        out = jnp.einsum("btem,emd,bte->btd", h, wo, combine)
+        return nn.with_logical_constraint(
+            out, ("activation_batch", "activation_length", "activation_embed")
+        )
 
 
 class MtDecoder(nn.Module):
