@@ -99,11 +99,11 @@ class _Item:
     layout: tuple[str, str]  # the spec found, the spec expected
     function: str  # the innermost annotated call's function, short
     k: int  # which call of it
-    several: bool  # whether the program calls it more than once
+    n: int  # how many calls of it the program makes
     value: str  # "parameter 'x'", "the return value"
 
 
-def report(violations: list, sites: list, head: str, inputs: list = ()) -> str:
+def report(violations: list, sites: list, head: str, inputs: list | None = ()) -> str:
     """The message for the violations of one program (in program order, each with
     its call described): `head`, the likely cause in full, then the rest. `inputs`
     are the program's input arrays, `(path, array)`: one laid out unlike its
@@ -113,10 +113,20 @@ def report(violations: list, sites: list, head: str, inputs: list = ()) -> str:
     for v in violations:
         function, k = _calls(numbers, v.site)
         n = numbers.get(v.site.calls[-1][1], (1, 1))[1] if v.site.calls else 1
-        items.append(_Item(str(v), _layout(v), function, k, n > 1, _value(v.site.name)))
+        items.append(_Item(str(v), _layout(v), function, k, n, _value(v.site.name)))
     why = _why(violations[0], sites, numbers)
     notes = list(dict.fromkeys(v.site.note for v in violations if v.site.note))
-    return _compose(items, head, inputs, why, notes)
+    if inputs is None and len(items) > 1:
+        notes.append(_UNREAD)
+    return _compose(items, head, inputs or [], why, notes)
+
+
+_UNREAD = (
+    "The layouts of the program's inputs could not be read (it was compiled ahead "
+    "of a call, by `.lower(...).compile()`), so no weight laid out unlike the same "
+    "weight in the other layers was looked for: compile it by calling it to have "
+    "one named."
+)
 
 
 _CALL = re.compile(r"^(?P<function>[^ ]+?)(?: #(?P<k>\d+) of (?P<n>\d+))?(?: \(in |$)")
@@ -134,30 +144,48 @@ def report_rows(rows: list, head: str, inputs: list, line: Any) -> str:
         function = m["function"] if m else str(row.function)
         k, n = (int(m["k"]), int(m["n"])) if m and m["k"] else (1, 1)
         layout = (row.actual_spec, format_spec(row.expected))
-        items.append(_Item(line(row), layout, function, k, n > 1, _value(row.name)))
+        items.append(_Item(line(row), layout, function, k, n, _value(row.name)))
     if not items:
         return "\n".join([head + ":", *budgets])
     return _compose(items, head, inputs, "", budgets)
 
 
 def _compose(items: list, head: str, inputs: list, why: str, tail: list) -> str:
+    """The message: `head`, then the likely cause on the same first line (a weight
+    laid out unlike its siblings, else the first value laid out wrong), then each
+    violation in full or summarised, then `tail`."""
     first, rest = items[0], items[1:]
-    odd = outliers_note(siblings(inputs))
-    lines = [head + ("." if rest or odd else ":")]
+    odd = siblings(inputs)
+    found, expected = first.layout
+    several = f" #{first.k} of {first.n}" if first.n > 1 else ""
+    value = f"{first.function}{several}, {first.value}"
     if odd:
-        lines.append(odd)
-    if not rest and not odd:
-        return "\n".join([*lines, f"- {first.line}", *tail])
-    where = f" ({why})" if why else ""
-    lines.append(
-        f"{'The first' if odd else 'The likely cause, the first'} value laid out "
-        f"wrong in program order{where}:"
-    )
+        path, spec, common, count = odd[0]
+        lines = [
+            f"{head}: the likely cause is {path}, laid out {spec} where {count} of "
+            f"its siblings (the same weight in the other layers) are {common}."
+        ]
+        if len(odd) > 1:
+            lines.append(
+                outliers_note(odd[1:], head="Also laid out unlike its siblings:")
+            )
+        made = f" ({why})" if why else ""
+        lines.append(f"The first value laid out wrong in program order{made}:")
+    elif rest:
+        lines = [
+            f"{head}: the likely cause is the first value laid out wrong in program "
+            f"order, {value}, {found} where the annotation expects {expected}."
+        ]
+        lines.append(f"It was {why}:" if why else "In full:")
+    else:
+        return "\n".join(
+            [f"{head}: {value} is {found} where the annotation expects {expected}:"]
+            + [f"- {first.line}", *tail]
+        )
     lines.append(f"- {first.line}")
     same = [i for i in rest if i.layout == first.layout]
     other = [i for i in rest if i.layout != first.layout]
     if same:
-        found, expected = first.layout
         lines.append(
             f"{len(same)} more {'values are' if len(same) > 1 else 'value is'} laid "
             f"out the same way, {found} where the annotation expects {expected}, and "
@@ -181,7 +209,7 @@ def _grouped(items: list) -> list[str]:
     for i in items:
         names = by_function.setdefault(i.function, {})
         names.setdefault(i.value, []).append(i.k)
-        several[i.function] = several.get(i.function, False) or i.several
+        several[i.function] = several.get(i.function, False) or i.n > 1
     out = []
     for function, names in by_function.items():
         parts: dict[str, list[str]] = {}
@@ -247,8 +275,9 @@ def siblings(leaves: Iterable[tuple[str, Any]]) -> list[tuple[str, str, str, int
                 (specs[path][0] == common, common, most)
             )
     out = []
-    for path, found in verdicts.items():
-        if any(agrees for agrees, _, _ in found):
+    for path in specs:  # in the order of the inputs
+        found = verdicts.get(path)
+        if not found or any(agrees for agrees, _, _ in found):
             continue
         _, common, most = found[0]
         out.append((path, specs[path][0], common, most))
@@ -284,15 +313,20 @@ def inputs_of(call: tuple | None) -> list[tuple[str, Any]]:
     return out
 
 
-def outliers_note(found: list[tuple[str, str, str, int]], shown: int = 3) -> str:
+_OUTLIERS = (
+    "The likely cause, among the program's inputs: laid out unlike the same weight "
+    "in the other layers:"
+)
+
+
+def outliers_note(
+    found: list[tuple[str, str, str, int]], shown: int = 3, head: str = _OUTLIERS
+) -> str:
     """The likely cause among the program's inputs, in words; "" if there is
     none."""
     if not found:
         return ""
-    lines = [
-        "The likely cause, among the program's inputs: laid out unlike the same "
-        "weight in the other layers:"
-    ]
+    lines = [head]
     for path, spec, common, count in found[:shown]:
         lines.append(f"- {path} is {spec}, where {count} of its siblings are {common}.")
     if len(found) > shown:
@@ -313,35 +347,44 @@ def is_jit_mismatch(error: BaseException) -> bool:
     return isinstance(error, ValueError) and _JIT_MISMATCH in str(error)
 
 
-def jit_mismatch(what: str, function: Any, shardings: Any, args: tuple, kwargs) -> str:
+def jit_mismatch(
+    what: str, function: Any, shardings: Any, args: tuple, kwargs, static=()
+) -> str:
     """What jit's refusal means: each argument laid out unlike its `in_shardings`
-    (`shardings`, a tuple with one tree per positional parameter), by its path,
-    and a weight unlike its siblings if one is."""
-    call = inputs_of((function, args, kwargs))
-    named = dict(call)
+    (`shardings`, a tuple with one tree prefix per positional parameter that is not
+    static, as jit takes them), by its path with both layouts on the first line,
+    and a weight unlike its siblings if one is. `static`: the static positions."""
     wrong = []
-    for (_, expected), (path, given) in zip(_given(shardings, args), call):
-        if expected is None or given is None or not hasattr(given, "sharding"):
-            continue
-        actual = given.sharding
+    for path, expected, given in _given(function, shardings, args, static):
         committed = getattr(given, "committed", True)
-        if committed and not actual.is_equivalent_to(expected, given.ndim):
+        actual = getattr(given, "sharding", None)
+        expected = getattr(expected, "sharding", expected)  # a Format's
+        if isinstance(expected, PartitionSpec) and isinstance(actual, NamedSharding):
+            expected = NamedSharding(actual.mesh, expected)
+        if not (committed and isinstance(expected, jax.sharding.Sharding)):
+            continue
+        if actual is not None and not actual.is_equivalent_to(expected, given.ndim):
             wrong.append((path, _spec(expected, given.ndim), _spec(actual, given.ndim)))
     lines = [
-        f"{what}: jax.jit's in_shardings lay out {len(wrong) or 'an'} argument"
-        f"{'s' if len(wrong) != 1 else ''} otherwise than the array"
-        f"{'s' if len(wrong) != 1 else ''} passed, committed to "
-        f"{'their' if len(wrong) != 1 else 'its'} own layout:"
-    ]
-    lines += [
-        f"- {path}: in_shardings say {spec}, the array is {found}."
+        f"{path} is {found}, where jax.jit's in_shardings say {spec}"
         for path, spec, found in wrong[:8]
     ]
-    if len(wrong) > 8:
-        lines.append(f"- and {len(wrong) - 8} more.")
-    odd = outliers_note(siblings(named.items()))
+    n = len(wrong)
+    head = lines[0] if lines else "an argument is laid out otherwise"
+    lines[:1] = [
+        f"{what}: {head}; jit refuses a committed array laid out otherwise than "
+        f"its in_shardings ({n or 'an'} argument{'s' if n > 1 else ''})"
+        + (":" if n > 1 else ".")
+    ]
+    lines[1:] = [f"- {line}." for line in lines[1:]]
+    if n > 8:
+        lines.append(f"- and {n - 8} more.")
+    named = {path for path, _, _ in wrong}
+    odd = [
+        o for o in siblings(inputs_of((function, args, kwargs))) if o[0] not in named
+    ]
     if odd:
-        lines.append(odd)
+        lines.append(outliers_note(odd))
     lines.append(
         "Place each as the in_shardings say (`jax.device_put(x, sharding)`) before "
         "the call, or give the in_shardings the layout the arrays have."
@@ -356,23 +399,43 @@ def _spec(sharding: Any, ndim: int) -> str:
     return repr(sharding)
 
 
-def _given(shardings: Any, args: tuple) -> list[tuple[str, Any]]:
-    """`(path, sharding or None)` for each array leaf of the positional `args`, in
-    the order `inputs_of` gives them, from `shardings` (a tree prefix of the
-    arguments)."""
-    out: list[tuple[str, Any]] = []
-    is_leaf = lambda x: x is None or isinstance(x, jax.sharding.Sharding)  # noqa: E731
-
-    def each(_: Any, sharding: Any, subtree: Any) -> None:
-        for _leaf in jax.tree_util.tree_leaves(subtree):
-            out.append(("", sharding))
-
-    if not isinstance(shardings, (tuple, list)):
-        shardings = (shardings,) * len(args)  # one for every argument
+def _given(
+    function: Any, shardings: Any, args: tuple, static: Any
+) -> list[tuple[str, Any, Any]]:
+    """`(path, sharding or None, array)` for each leaf of the positional `args` that
+    are not `static`, named by `function`'s parameters, with its sharding from
+    `shardings` (one tree prefix per such argument, or one for all)."""
     try:
-        jax.tree_util.tree_map_with_path(
-            each, tuple(shardings), tuple(args), is_leaf=is_leaf
-        )
-    except (ValueError, TypeError):
-        return []
+        names = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        names = []
+    dynamic = []
+    for i, arg in enumerate(args):
+        if i not in static:
+            name = names[i] if i < len(names) else f"args[{i}]"
+            dynamic.append((name, arg))
+    if not isinstance(shardings, (tuple, list)):
+        shardings = (shardings,) * len(dynamic)  # one for every argument
+    out: list[tuple[str, Any, Any]] = []
+
+    for (name, arg), prefix in zip(dynamic, shardings):
+
+        def each(path: Any, sharding: Any, subtree: Any) -> None:
+            for sub, leaf in jax.tree_util.tree_flatten_with_path(subtree)[0]:
+                where = name + jax.tree_util.keystr((*path, *sub))
+                out.append((where.removesuffix(".value"), sharding, leaf))
+
+        try:
+            jax.tree_util.tree_map_with_path(each, prefix, arg, is_leaf=_is_layout)
+        except (ValueError, TypeError):
+            continue  # a prefix jit itself would refuse
     return out
+
+
+def _is_layout(x: Any) -> bool:
+    """A leaf of jit's in_shardings: a sharding, a spec, a Format, or `None`."""
+    return (
+        x is None
+        or isinstance(x, (jax.sharding.Sharding, PartitionSpec))
+        or hasattr(x, "sharding")
+    )

@@ -163,9 +163,10 @@ def checked_plan(
     failures = _mismatches(found)
     if failures:
         head = (
-            "1 array does not match its annotation"
+            f"{failures[0][0]} does not match its annotation"
             if len(failures) == 1
-            else f"{len(failures)} arrays do not match their annotations"
+            else f"{len(failures)} arrays do not match their annotations, the first "
+            f"{failures[0][0]}"
         )
         raise TypeCheckError(
             f"{call}: {head}, so nothing was placed:\n"

@@ -244,7 +244,8 @@ def _on_compile(event: str, duration: float, **kwargs) -> None:
     violations, sites = take_violations(thread)
     if violations:
         program = kwargs.get("fun_name", "the program")
-        inputs = diagnosis.inputs_of(compiling_call())
+        call = compiling_call()
+        inputs = None if call is None else diagnosis.inputs_of(call)
         raise ShardingError(format_violations(violations, program, sites, inputs))
 
 
@@ -253,13 +254,14 @@ def format_violations(
 ) -> str:
     """The message for the violations of one program: the likely cause in full,
     and the rest summarised (see `_diagnosis`); `inputs` are the program's input
-    arrays by path, if known."""
+    arrays by path, `None` if they could not be read."""
     count = len(violations)
     head = (
         f"{count} sharding contract{'s' if count > 1 else ''} violated in {program}, "
         "found when XLA compiled it"
     )
-    return diagnosis.report(violations, list(sites), head, list(inputs))
+    inputs = None if inputs is None else list(inputs)
+    return diagnosis.report(violations, list(sites), head, inputs)
 
 
 jax.monitoring.register_scalar_listener(_on_compile_start)

@@ -91,7 +91,13 @@ def _check_all(
                 failures.append((where, _worded(reason, source), sharding))
     if failures:
         error = ShardingError if any(s for *_, s in failures) else TypeCheckError
-        head = heads[0] if len(failures) == 1 else heads[1].format(len(failures))
+        # The first failure's path on the first line, however many there are.
+        first = failures[0][0]
+        head = (
+            heads[0].replace("1 array", first, 1)
+            if len(failures) == 1
+            else f"{heads[1].format(len(failures))}, the first {first}"
+        )
         lines = [
             f"- {w}{' ' if r.startswith('is ') else ': '}{r.rstrip('.')}."
             for w, r, _ in failures

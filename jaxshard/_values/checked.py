@@ -89,7 +89,8 @@ def checked(fn: Any = None, *, inputs_finite: Any = False) -> Any:
         return ft.partial(checked, inputs_finite=inputs_finite)
     expect_callable("checked", fn)
     named = tensors.compiled_function(fn) or fn  # torchax.compile(f): f
-    scope = Scope(getattr(named, "__qualname__", repr(named)))
+    # `train_step`, `Model.step`: not `make.<locals>.train_step`.
+    scope = Scope(getattr(named, "__qualname__", repr(named)).split("<locals>.")[-1])
     run = with_input_checks(fn, inputs_finite, scope.name)
     compiled = _compiled(run, scope)
 
@@ -147,9 +148,10 @@ def _jit_mismatch(name: str, fn: Callable, args: tuple, kwargs: dict) -> Shardin
     params = jit_parameters(fn) or {}
     function = params.get("fun", fn)
     shardings = params.get("in_shardings")
+    static = params.get("static_argnums", ())
     what = f"jaxshard.checked({name})"
     return ShardingError(
-        diagnosis.jit_mismatch(what, function, shardings, args, kwargs)
+        diagnosis.jit_mismatch(what, function, shardings, args, kwargs, static)
     )
 
 

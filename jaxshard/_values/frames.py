@@ -100,6 +100,10 @@ def _compiled(fn: Callable, scope: Any) -> Callable | None:
         return None
     fun = params["fun"]
 
+    # Named and signed as `fun`: jit names the program after it (`jit(train_step)`
+    # in messages and profiles), binds static_argnames by its signature, and the
+    # diagnosis names the arguments by its parameters.
+    @ft.wraps(fun)
     def program(*args, **kwargs):
         frame = Frame()
         with recording_into(frame):

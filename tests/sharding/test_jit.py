@@ -80,7 +80,8 @@ def test_auto_message_lists_every_violation(auto_mesh):
     assert "violated in jit(f)" in msg
     assert "parameter 'x'" in msg and "parameter 'w'" in msg
     assert "the return value" in msg
-    assert msg.count("parameter 'x'") == 1  # reported once though checked twice
+    details = msg.split("\n", 1)[1]  # (the first line names the likely cause)
+    assert details.count("parameter 'x'") == 1  # reported once though checked twice
     for fragment in [
         "helpers.layer.<locals>.f",
         "P('dp', None)",
@@ -382,14 +383,13 @@ def test_violations_name_the_call_in_program_order(auto_mesh):
     with pytest.raises(jaxshard.ShardingError) as e:
         jax.jit(decoder)(x, ws)
     lines = str(e.value).splitlines()
-    assert lines[0] == "3 sharding contracts violated in jit(decoder), found when " + (
-        "XLA compiled it."
+    # The weight laid out unlike its siblings, by its path, on the first line.
+    assert lines[0] == (
+        "3 sharding contracts violated in jit(decoder), found when XLA compiled it: "
+        "the likely cause is ws[4], laid out P('tp', None) where 7 of its siblings "
+        "(the same weight in the other layers) are P(None, 'tp')."
     )
-    # The weight laid out unlike its siblings, by its path, first.
-    assert lines[1].startswith("The likely cause, among the program's inputs")
-    assert lines[2] == "- ws[4] is P('tp', None), where 7 of its siblings are " + (
-        "P(None, 'tp')."
-    )
+    assert lines[1].startswith("The first value laid out wrong in program order")
     # Then the violations in program order, each with its call.
     found = [
         re.search(r"block #(\d) of 8", line) for line in lines if "- test_" in line
@@ -406,6 +406,21 @@ def test_violations_name_the_call_in_program_order(auto_mesh):
     assert all(not r.call for r in report.rows if r.ok)
 
 
+def test_a_program_compiled_ahead_says_its_inputs_were_not_read(auto_mesh):
+    """`.lower(...).compile()` has no call whose arguments name the inputs: the
+    message says the weight could not be looked for, and how to have it named."""
+    x, ws = decoder_inputs(auto_mesh, bad_layer=4)
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jax.jit(decoder).lower(x, ws).compile()
+    lines = str(e.value).splitlines()
+    assert lines[0].startswith("3 sharding contracts violated in jit(decoder)")
+    assert "the likely cause is the first value laid out wrong" in lines[0]
+    assert lines[-1].startswith(
+        "The layouts of the program's inputs could not be read (it was compiled "
+        "ahead of a call, by `.lower(...).compile()`)"
+    )
+
+
 def test_a_value_passed_on_is_reported_once(auto_mesh):
     """A mis-sharded array checked by an annotated function and again by the one it
     is passed to is one violation, which says where it went."""
@@ -420,7 +435,8 @@ def test_a_value_passed_on_is_reported_once(auto_mesh):
     with pytest.raises(jaxshard.ShardingError) as e:
         jax.jit(outer)(x, ws[0])
     message = str(e.value)
-    assert message.count("parameter 'w'") == 2  # once, and where it was passed on to
+    details = message.split("\n", 1)[1]  # (the first line names the likely cause)
+    assert details.count("parameter 'w'") == 2  # once, and where it was passed on to
     assert "outer, parameter 'w' (passed on to test_jit.block (in " in message
 
 
@@ -447,6 +463,6 @@ def test_a_value_passed_on_has_one_probe(auto_mesh):
     # w, and each block's output, which w laid out so; w reported once, with both
     # places it was passed on to.
     assert message.startswith("3 sharding contracts violated")
-    assert message.count("parameter 'w'") == 3
+    assert message.split("\n", 1)[1].count("parameter 'w'") == 3
     assert "test_jit.block #1 of 2 (in " in message
     assert "test_jit.block #2 of 2 (in " in message

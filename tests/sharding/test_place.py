@@ -148,7 +148,7 @@ def test_wrong_shape_names_every_path():
     with pytest.raises(jaxshard.TypeCheckError) as e:
         jaxshard.device_put(wrong, jax.make_mesh((4, 2), ("dp", "tp")), rules=RULES)
     text = str(e.value)
-    assert "jaxshard.device_put(Model): 1 array does not match" in text
+    assert "jaxshard.device_put(Model): Model.blocks[1].up does not match" in text
     assert "- Model.blocks[1].up: float32[8,4,1]:" in text
     assert "Fix the array" in text
 
