@@ -115,7 +115,7 @@ class Failure:
     def __str__(self):
         where = []
         calls = self.calls or 1
-        device = self.device and ", ".join(f"{a}={i}" for a, i in self.device.items())
+        device = ", ".join(f"{a}={i}" for a, i in (self.device or {}).items())
         if self.size > 1:
             s = "s" if self.count != 1 else ""
             # Inside shard_map the count is the blocks' together; the element, one's.

@@ -34,10 +34,10 @@ class Recorder:
         self.function = function  # the verified function, left out of call chains
 
     def add(self, site: Site, actual: Any, reason: str) -> None:
-        # Inside a shard_map body, the axes the block varies over: whether it is
-        # the global array its annotation describes. Read from the value, which
-        # is dropped: the report tells values apart by their checks' order.
-        varying = _varying(site.held[0]) if site.held else set()
+        # Inside a shard_map body, the axes a violating block varies over: it may
+        # be no array its annotation describes. Read from the value, which is
+        # dropped: the report tells values apart by their checks' order.
+        varying = _varying(site.held[0]) if site.held and reason else set()
         site.held.clear()
         with self._lock:
             self._checks.append((site, actual, reason, varying))
@@ -109,9 +109,9 @@ def _in_shard_map(site: Site, actual: Any, varying: set[str]) -> tuple | None:
         return None
     sizes = actual.mesh.shape
     own = [*actual.spec, *[None] * len(site.shape)]
-    named = [*site.spec, *[None] * len(site.shape)]
+    given = [*site.spec, *[None] * len(site.shape)]
     shape, entries = [], []
-    for size, entry, mine in zip(site.shape, named, own):
+    for size, entry, mine in zip(site.shape, given, own):
         axes = axes_of(entry)
         split = [a for a in axes if a in manual or a in axes_of(mine)]
         split += [a for a in axes_of(mine) if a not in axes]
@@ -121,7 +121,7 @@ def _in_shard_map(site: Site, actual: Any, varying: set[str]) -> tuple | None:
         )
     spec = PartitionSpec(*entries)
     named = {a for entry in site.spec for a in axes_of(entry)}
-    extra = sorted(a for a in varying & manual - named if sizes[a] > 1)
+    extra = sorted(a for a in (varying & manual) - named if sizes[a] > 1)
     if extra:  # where it differs is no dimension's: the reason tells
         return tuple(shape), f"{format_spec(spec)}, differing over {', '.join(extra)}"
     return tuple(shape), spec

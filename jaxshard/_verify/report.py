@@ -44,7 +44,9 @@ class Row:
     - `expected`: the annotation's `PartitionSpec`.
     - `actual`: the sharding the value has in the compiled program (after sharding
         propagation on Auto meshes; from the type on Explicit meshes); inside a
-        `shard_map` body, the global array's `PartitionSpec` (see `block`).
+        `shard_map` body, the global array's `PartitionSpec` (see `block`), or
+        for a block that differs over a mesh axis its annotation does not name,
+        a text saying so (`"P('dp', None), differing over tp"`).
     - `ok`: whether the two agree.
     - `reason`: what is wrong, as a sentence; `""` when `ok`.
     - `annotation`, `array`: the annotation and the value's dtype and shape, as text.
@@ -355,7 +357,7 @@ class Report:
         if self.check_collectives:
             lines.append(
                 "Collectives from jaxshard's value checks (left out of the budgets "
-                f"and the snapshot): {per_kind(self.check_collectives)}."
+                f"and the snapshot): {_per_kind(self.check_collectives)}."
             )
         lines += self.notes
         return "\n".join(lines)
@@ -366,7 +368,7 @@ def _collective(c: Collective) -> dict:
     return {"kind": c.kind, "bytes": c.bytes, "axes": axes, "where": c.where}
 
 
-def per_kind(found: tuple[Collective, ...]) -> str:
+def _per_kind(found: tuple[Collective, ...]) -> str:
     """`all-gather 18 (144.0 MiB), all-reduce 2 (256.0 MiB)`."""
     counts = {k: sum(c.kind == k for c in found) for k in KINDS}
     totals = summary(found)
@@ -378,7 +380,7 @@ def per_kind(found: tuple[Collective, ...]) -> str:
 def _describe_collectives(found: tuple[Collective, ...]) -> list[str]:
     if not found:
         return ["Collectives: none."]
-    lines = [f"Collectives per device: {per_kind(found)}; the largest:"]
+    lines = [f"Collectives per device: {_per_kind(found)}; the largest:"]
     lines += [f"  {describe(c, n)}" for c, n in most_bytes(found)[:5]]
     return lines
 

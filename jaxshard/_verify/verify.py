@@ -311,8 +311,8 @@ def _report(
         found = collectives(text, mesh, chains, qualname.qualname, named)
         if " while(" in text:  # a loop: `%while.3 = ... while(%tuple.2)`
             notes += (
-                "FLOPs count each loop's body once, as XLA's cost analysis does: for "
-                "a model that scans its layers, one layer's.",
+                "FLOPs and collectives count each loop's body once, as XLA compiles "
+                "it: for a model that scans its layers, one layer's.",
             )
         memory = _memory(compiled, mesh)
         ins = layouts(inputs.traced, compiled.input_shardings[0])
