@@ -30,7 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from flax import struct
+from flax import nnx, struct
 from flax.training import train_state
 from jax import Array
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -975,3 +975,140 @@ def abstract_weights(cfg: Config) -> Weights:
         Weights.shardings(cfg),
         is_leaf=is_info,
     )
+
+
+# --- flax nnx on Explicit axes, as flax's examples/gemma -----------------------------
+
+GEMMA_MESH_AXES = ("fsdp", "tensor")
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class GemmaSharding:
+    """Each weight's and activation's PartitionSpec, by the letters of its
+    dimensions, as gemma's ShardingConfig names them."""
+
+    emb_vd: P | None = None
+    ffw_weight_df: P | None = None
+    ffw_weight_fd: P | None = None
+    rms_norm_weight: P | None = None
+    act_btd: P | None = None
+    act_btf: P | None = None
+
+    @staticmethod
+    def fsdp_tp(fsdp: str = "fsdp", tp: str = "tensor") -> "GemmaSharding":
+        return GemmaSharding(
+            emb_vd=P(tp, fsdp),
+            ffw_weight_df=P(fsdp, tp),
+            ffw_weight_fd=P(tp, fsdp),
+            rms_norm_weight=P(tp),
+            act_btd=P(fsdp, None, tp),
+            act_btf=P(fsdp, None, tp),
+        )
+
+
+# The adopter's annotations, written out from GemmaSharding.fsdp_tp().
+GemmaBtd = Float[Array, "batch seq embed", P("fsdp", None, "tensor")]
+GemmaTokens = Int[Array, "batch seq", P("fsdp", None)]
+
+
+class GemmaFeedForward(nnx.Module):
+    def __init__(self, d: int, f: int, shd: GemmaSharding, rngs: nnx.Rngs):
+        def linear(din, dout, spec):
+            return nnx.Linear(
+                din,
+                dout,
+                use_bias=False,
+                kernel_init=noise_init(),
+                kernel_metadata={"out_sharding": spec},
+                rngs=rngs,
+            )
+
+        self.shd = shd
+        self.gate_proj = linear(d, f, shd.ffw_weight_df)
+        self.up_proj = linear(d, f, shd.ffw_weight_df)
+        self.down_proj = linear(f, d, shd.ffw_weight_fd)
+
+    @jaxshard.jaxtyped
+    def __call__(self, x: GemmaBtd) -> GemmaBtd:
+        act = self.shd.act_btf
+        h = nnx.gelu(self.gate_proj(x, out_sharding=act))
+        h = h * self.up_proj(x, out_sharding=act)
+        return self.down_proj(h, out_sharding=self.shd.act_btd)
+
+
+class GemmaRMSNorm(nnx.Module):
+    def __init__(self, d: int, shd: GemmaSharding):
+        spec = shd.rms_norm_weight
+        self.scale = nnx.Param(jnp.zeros((d,)), out_sharding=spec)
+
+    def __call__(self, x: Array) -> Array:
+        var = jnp.mean(x * x, axis=-1, keepdims=True)
+        return x * jax.lax.rsqrt(var + 1e-6) * (1 + self.scale[...])
+
+
+class GemmaBlock(nnx.Module):
+    def __init__(self, d: int, f: int, shd: GemmaSharding, rngs: nnx.Rngs):
+        self.pre_ffw_norm = GemmaRMSNorm(d, shd)
+        self.mlp = GemmaFeedForward(d, f, shd, rngs)
+
+    @jaxshard.jaxtyped
+    def __call__(self, x: GemmaBtd) -> GemmaBtd:
+        return x + self.mlp(self.pre_ffw_norm(x))
+
+
+class GemmaTransformer(nnx.Module):
+    def __init__(
+        self,
+        shd: GemmaSharding,
+        rngs: nnx.Rngs,
+        vocab: int = 64,
+        d: int = 32,
+        f: int = 64,
+        layers: int = 3,
+    ):
+        self.shd = shd
+        self.embedder = nnx.Embed(
+            vocab,
+            d,
+            embedding_init=noise_init(8.0),
+            embedding_metadata={"out_sharding": shd.emb_vd},
+            rngs=rngs,
+        )
+        self.layers = nnx.List([GemmaBlock(d, f, shd, rngs) for _ in range(layers)])
+        self.final_norm = GemmaRMSNorm(d, shd)
+
+    @jaxshard.jaxtyped
+    def __call__(
+        self, tokens: GemmaTokens
+    ) -> Float[Array, "batch seq vocab", P("fsdp", None, None)]:
+        x = self.embedder(tokens, out_sharding=self.shd.act_btd)
+        for layer in self.layers:
+            x = layer(x)
+        table = jax.sharding.reshard(self.embedder.embedding[...], P(None, "tensor"))
+        x = self.final_norm(x)
+        return jnp.einsum("btd,vd->btv", x, table, out_sharding=P("fsdp", None, None))
+
+
+def gemma_train_step(model: GemmaTransformer, optimizer: nnx.Optimizer, batch: Array):
+    """gemma's nnx train step: the model and the optimizer updated in place."""
+    jaxshard.check_partitioning(model)  # every weight as its metadata says
+
+    def loss_fn(model):
+        logits = model(batch[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits, batch[:, 1:]
+        ).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def make_gemma(mesh):
+    """The model made under the mesh (each weight placed as its metadata says), its
+    optimizer, and a batch of 9 tokens per row (8 in, 8 targets)."""
+    with jax.set_mesh(mesh):
+        model = GemmaTransformer(GemmaSharding.fsdp_tp(), nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    batch = jax.random.randint(jax.random.key(1), (8, 9), 0, 64)
+    return model, optimizer, jax.device_put(batch, NamedSharding(mesh, P("fsdp")))

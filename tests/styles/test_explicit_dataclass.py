@@ -207,3 +207,32 @@ def test_forward_verifies_for_a_v5e_slice(tpu_topology):
     with pytest.raises(jaxshard.ShardingError) as caught:
         jaxshard.verify(forward, mesh=mesh, dims=dims, values=values, rules=cfg.rules)
     assert W_DOWN in str(caught.value)
+
+
+@jaxshard.jaxtyped
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CheckedMlp:
+    """A registered dataclass whose fields are checked when it is made, as the docs
+    suggest for modules (`@jaxshard.jaxtyped` on the class)."""
+
+    w_up: WUp
+    w_down: Float[Array, "ffw embed", L("ffw_down", "embed_down")]
+
+
+@pytest.mark.xfail(
+    reason="issue 49 point 11: @jaxshard.jaxtyped on a "
+    "jax.tree_util.register_dataclass class checks every unflatten (JAX calls "
+    "__init__): jax.tree.map to shardings, "
+    "jax.eval_shape and jit's out_shardings raise TypeCheckError (jaxtyping's "
+    "jaxtyped does the same)",
+    strict=True,
+)
+def test_a_checked_registered_dataclass_goes_through_jax_tree_functions(llama):
+    cfg, weights, _ = llama
+    ffw = weights.layers[0].ffw
+    with jax.set_mesh(cfg.mesh), jaxshard.axis_rules(cfg.rules):
+        mlp = CheckedMlp(ffw.w_up, ffw.w_down)
+        shardings = jax.tree.map(lambda x: x.sharding, mlp)
+        jax.eval_shape(lambda m: m, mlp)
+        jax.jit(lambda m: m, out_shardings=shardings)(mlp)

@@ -267,3 +267,16 @@ def test_the_step_verifies_for_a_v5e_slice(lm, tpu_topology):
         train_step, mesh=mesh, values=values, dims={"batch": 8}, rules=LM1B_RULES
     )
     assert report.ok and len(report.rows) == 3
+
+
+@pytest.mark.xfail(
+    reason="issue 49 point 6: checked's in_shardings error is raised from "
+    "jaxshard/_values/checked.py (wrapper), the last frame of the traceback",
+    strict=True,
+)
+def test_the_traceback_of_the_in_shardings_error_ends_at_the_users_call(lm):
+    mesh, rules = in_force(lm)
+    with mesh, rules:
+        with pytest.raises(jaxshard.ShardingError) as caught:
+            jaxshard.checked(lm.jitted())(*lm.args(transposed(lm)))
+    assert _ends_in_this_file(caught.value)
