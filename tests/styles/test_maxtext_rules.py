@@ -86,7 +86,7 @@ def test_a_misplaced_weight_is_named_by_its_path(maxtext):
         with pytest.raises(jaxshard.ShardingError) as caught:
             jaxshard.check_partitioning(wrong)
     message = str(caught.value)
-    assert f"params{WO}" in message
+    assert f"params{WO}" in message.splitlines()[0]
     assert "P('fsdp', 'tensor')" in message
     assert "L('mlp', 'embed')" in message
 
@@ -100,7 +100,7 @@ def test_a_name_from_another_tables_is_named_on_the_expert_weight(maxtext):
         with pytest.raises(jaxshard.ShardingError) as caught:
             jaxshard.check_partitioning(params)
     message = str(caught.value)
-    assert "params['params']['moe_1']['wi']" in message
+    assert "params['params']['moe_1']['wi']" in message.splitlines()[0]
     assert "'moe_e_up_embed'" in message
     assert "moe_0" not in message and "moe_2" not in message
 
