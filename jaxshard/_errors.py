@@ -1,9 +1,16 @@
-"""jaxshard's exceptions: every contract failure is a `jaxtyping.TypeCheckError`."""
+"""jaxshard's exceptions: every contract failure is a `jaxtyping.TypeCheckError`. And
+their tracebacks, which end at the user's call: jaxshard's own frames (and those of
+the checkers it runs, jaxtyping's and beartype's) are left out, as JAX leaves out its
+internals."""
 
 import difflib
-from collections.abc import Iterable
-from typing import Any
+import functools as ft
+import os
+import types
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
+import jaxtyping
 from jaxtyping import (
     AnnotationError as AnnotationError,
     TypeCheckError as TypeCheckError,
@@ -81,3 +88,71 @@ def did_you_mean(
     else:
         shown = ", ".join(f"{c!r} for {n!r}" for n, c in found.items())
     return f" (did you mean {shown}?)" if inline else f" Did you mean {shown}?"
+
+
+# --- tracebacks that end at the user's call -----------------------------------------
+
+# Files whose frames a jaxshard error's traceback leaves out: jaxshard's own, the
+# checkers' (jaxtyping's; beartype's generated wrappers are `<@beartype(...)>`), and
+# whatever `hide_files` adds (JAX's frames between a compile and its listeners).
+_HIDDEN = [
+    os.path.dirname(os.path.abspath(__file__)),
+    os.path.dirname(jaxtyping.__file__),
+]
+
+
+def hide_files(path: str) -> None:
+    """Leaves the frames of `path` (a file, or a folder and all below it) out of
+    jaxshard errors' tracebacks too."""
+    _HIDDEN.append(os.path.abspath(path))
+
+
+def _shown(filename: str) -> bool:
+    if filename.startswith("<@beartype("):
+        return False
+    return not any(filename == p or filename.startswith(p + os.sep) for p in _HIDDEN)
+
+
+def _ours(error: BaseException) -> bool:
+    """An error jaxshard or jaxtyping raises on purpose (a violation, a failed check,
+    a wrong annotation), not a crash, whose frames would tell the user nothing."""
+    module = type(error).__module__
+    return module.split(".", 1)[0] in ("jaxshard", "jaxtyping")
+
+
+def hide_frames(error: BaseException) -> BaseException:
+    """`error` with jaxshard's frames (and the checkers') left out of its traceback,
+    unless JAX's traceback filtering is off (`JAX_TRACEBACK_FILTERING=off`). Raise
+    it again with a bare `raise`, which adds no frame; `raise error` would add the
+    raising one."""
+    if not _ours(error) or os.environ.get("JAX_TRACEBACK_FILTERING") == "off":
+        return error
+    kept = None
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    for tb in reversed(frames):
+        if _shown(tb.tb_frame.f_code.co_filename):
+            kept = types.TracebackType(kept, tb.tb_frame, tb.tb_lasti, tb.tb_lineno)
+    return error.with_traceback(kept)
+
+
+_F = TypeVar("_F", bound=Callable)
+
+
+def user_facing(fn: _F) -> _F:
+    """A public entry point, from whose calls jaxshard's errors come with a
+    traceback that ends at the user's call (see `hide_frames`)."""
+
+    @ft.wraps(fn)
+    def entry(*args, **kwargs):
+        __tracebackhide__ = True
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            hide_frames(e)
+            raise
+
+    return entry  # pyright: ignore[reportReturnType]

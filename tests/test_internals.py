@@ -547,3 +547,17 @@ def test_shard_map_outputs_adds_an_output_to_any_shard_map(explicit_mesh):
             assert str(jax.make_jaxpr(mapped)(x)) == before
             1 / 0
     assert "bind_with_trace" not in vars(internals.shard_map_p)
+
+
+def test_jax_leaves_registered_files_out_of_its_tracebacks():
+    """`register_exclusion`: JAX leaves jaxshard's frames (registered at import) out
+    of the traceback of an error raised under `jax.jit`, and the frames of the
+    module where it calls compile listeners (`jax.monitoring`'s)."""
+    from jax._src import traceback_util
+
+    package = os.path.dirname(os.path.abspath(jaxshard.__file__))
+    listener = jax.monitoring.record_event_duration_secs
+    monitoring = os.path.abspath(sys.modules[listener.__module__].__file__)
+    assert not traceback_util.include_filename(os.path.join(package, "_errors.py"))
+    assert not traceback_util.include_filename(monitoring)
+    assert traceback_util.include_filename(__file__)

@@ -54,6 +54,9 @@ Internals still used, and why (none has a public equivalent in these releases):
   (`jax._src.tree_util.FlatTree`, `jax._src.flattree`) and
   `jax._src.interpreters.partial_eval.DynamicJaxprTrace`: a check inside any
   shard_map body leaves it as an extra output (`shard_map_outputs`).
+- `jax._src.traceback_util.register_exclusion`: jaxshard's frames (and those of
+  `jax.monitoring`, which calls the compile listener) left out of the tracebacks JAX
+  filters, as flax and equinox leave out theirs.
 - `jax._src.pjit._run_python_pjit`'s frame: the arguments of the `jax.jit` call
   being compiled, whose layouts point at the likely cause of a violation.
 - flax linen's module stack (`flax.linen.module._context.module_stack`): whether a
@@ -138,6 +141,7 @@ from .shard_map import (  # noqa: E402
 )
 from .traces import (  # noqa: E402
     current_trace as current_trace,
+    hide_from_jax_tracebacks as hide_from_jax_tracebacks,
     in_trace as in_trace,
     is_sharding_type_error as is_sharding_type_error,
     jit_parameters as jit_parameters,
@@ -147,3 +151,6 @@ from .traces import (  # noqa: E402
     set_ref_contents as set_ref_contents,
     varying_axes as varying_axes,
 )
+
+
+hide_from_jax_tracebacks()

@@ -1,7 +1,9 @@
 """What a trace holds: a jitted function's parameters, `jax.Ref`s made and read
 inside and outside traces, the axes a value varies over in `shard_map`, and
-ShardingTypeError by name."""
+ShardingTypeError by name; and the frames JAX leaves out of its tracebacks."""
 
+import os
+import sys
 from typing import Any
 
 import jax
@@ -129,3 +131,23 @@ def varying_axes(x) -> set[str]:
     vma): `jax.typeof(x).manual_axis_type.varying` on jax 0.10.2 to 0.12.0.1."""
     manual_type = getattr(jax.typeof(x), "manual_axis_type", None)
     return set(getattr(manual_type, "varying", ()))
+
+
+def hide_from_jax_tracebacks() -> None:
+    """Leaves jaxshard's frames out of the tracebacks JAX filters (an error raised
+    by a check while JAX traces or compiles, out of a `jax.jit` call), as JAX leaves
+    out its own, and the frames of `jax.monitoring`, through which JAX calls the
+    listener that reports a compile's violations. flax and equinox do the same for
+    their frames: `jax._src.traceback_util.register_exclusion`, the same on jax
+    0.10.2 to 0.12.0.1; jaxshard's own errors leave those frames out too (see
+    `_errors.hide_frames`)."""
+    from jax._src import traceback_util
+
+    from .._errors import hide_files
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    listener = jax.monitoring.record_event_duration_secs  # where JAX defines it
+    monitoring = os.path.abspath(sys.modules[listener.__module__].__file__ or "")
+    traceback_util.register_exclusion(package)
+    traceback_util.register_exclusion(monitoring)
+    hide_files(monitoring)

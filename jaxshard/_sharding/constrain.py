@@ -19,7 +19,13 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from .._annotations.logical import BY_NAME, L, using
 from .._annotations.spec import axes_of, fill_unconstrained, format_spec
-from .._errors import AnnotationError, expect, ShardingError, TypeCheckError
+from .._errors import (
+    AnnotationError,
+    expect,
+    ShardingError,
+    TypeCheckError,
+    user_facing,
+)
 from .._jax_internals import ArrayMeta, context_mesh
 from .array_types import partition_spec, Shaped
 from .compare import invalid
@@ -28,6 +34,7 @@ from .layout import spec_global_shape
 from .signature import expect_mesh
 
 
+@user_facing
 def constrain(x: Any, annotation: Any, *, mesh: Any = None, rules: Any = None) -> Array:
     """Lays `x` out as `annotation` says: `jax.lax.with_sharding_constraint` driven
     by an annotation, checking the shape and dtype too.

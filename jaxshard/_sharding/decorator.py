@@ -12,7 +12,7 @@ import jax
 import jaxtyping
 from jaxtyping import TypeCheckError
 
-from .._errors import ShardingError
+from .._errors import hide_frames, ShardingError
 from .._jax_internals import ArrayMeta, jit_parameters
 
 
@@ -108,11 +108,17 @@ def _with_notes(checked, fn):
         except TypeCheckError as e:
             notes = frames[-1] or []
             if isinstance(e, ShardingError):
+                hide_frames(e)
                 raise
-            error = ShardingError if any(n[3] for n in notes) else TypeCheckError
+            kind = ShardingError if any(n[3] for n in notes) else TypeCheckError
             # One exception whose message stands alone: jaxtyping's, with what
             # the sharding was; not beartype's and jaxtyping's chained under it.
-            raise error(_message(str(e), notes, fn, args, kwargs)) from None
+            error = kind(_message(str(e), notes, fn, args, kwargs))
+            try:
+                raise error from None
+            except TypeCheckError:
+                hide_frames(error)  # it ends at the user's call
+                raise
         finally:
             if _notes.probed:
                 _notes.probed.pop(len(frames), None)
@@ -263,8 +269,14 @@ def _with_message(checked, fn):
             return checked(*args, **kwargs)
         except TypeCheckError as e:
             if isinstance(e, ShardingError):
+                hide_frames(e)
                 raise
-            raise TypeCheckError(_message(str(e), [], fn, args, kwargs)) from None
+            error = TypeCheckError(_message(str(e), [], fn, args, kwargs))
+            try:
+                raise error from None
+            except TypeCheckError:
+                hide_frames(error)  # it ends at the user's call
+                raise
 
     wrapper.__jaxshard_jaxtyped__ = True
     return wrapper

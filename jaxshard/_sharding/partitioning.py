@@ -10,11 +10,12 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from .._annotations.logical import active_rules, flax_rules, L, using
 from .._annotations.spec import axes_of
-from .._errors import ShardingError, TypeCheckError
+from .._errors import ShardingError, TypeCheckError, user_facing
 from .array_types import Shaped
 from .tree import _check_all, _is_array, _is_variable, Stated
 
 
+@user_facing
 def check_partitioning(
     tree: Any, specs: Any = None, *, name: str = "params", rules: Any = None
 ) -> None:

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._annotations.logical import using
 from .._annotations.spec import fill_unconstrained
-from .._errors import ShardingError, TypeCheckError
+from .._errors import ShardingError, TypeCheckError, user_facing
 from .._jax_internals import ArrayMeta
 from .array_types import partition_spec
 from .constrain import find_mesh, laid_out_on, lay_out, unfit
@@ -242,6 +242,7 @@ def _array(value: Any) -> str:
 # --- placing ------------------------------------------------------------------------
 
 
+@user_facing
 def device_put(
     tree: Any, mesh: Any = None, *, annotation: Any = None, rules: Any = None
 ) -> Any:
@@ -325,6 +326,7 @@ def device_put(
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+@user_facing
 def shardings_of(
     tree: Any, mesh: Any = None, *, annotation: Any = None, rules: Any = None
 ) -> Any:

@@ -20,7 +20,7 @@ import jaxtyping
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._annotations.logical import using
-from .._errors import AnnotationError, expect, expect_callable
+from .._errors import AnnotationError, expect, expect_callable, user_facing
 from .._jax_internals import context_mesh
 from .array_types import partition_spec
 from .compare import missing_axes
@@ -263,6 +263,7 @@ def _resolve_mesh(mesh: Any, what: str) -> Any:
     return mesh
 
 
+@user_facing
 def shardings(
     fn: Callable, mesh: Any = None, *, rules: Any = None
 ) -> tuple[tuple, Any]:

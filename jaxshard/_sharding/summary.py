@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._annotations.logical import using
 from .._annotations.spec import format_spec
+from .._errors import user_facing
 from .._jax_internals import context_mesh
 from .describe import describe_bytes, describe_mesh
 from .partitioning import _is_box, _path, _unboxed
@@ -170,6 +171,7 @@ class Summary:
         return "\n".join(lines)
 
 
+@user_facing
 def summary(tree: Any, mesh: Any = None, *, rules: Any = None) -> Summary:
     """A table of every array in `tree`: its path, shape, dtype, layout, and the
     bytes it costs each device, largest first, with totals.

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .. import _config
 from .._annotations.logical import using
 from .._annotations.spec import format_spec
-from .._errors import ShardingError, TypeCheckError
+from .._errors import ShardingError, TypeCheckError, user_facing
 from .._jax_internals import ArrayMeta
 from .array_types import _MetaShardedArray, Shaped
 from .compare import compare
@@ -25,6 +25,7 @@ from .layout import is_array_like
 _union_types = (typing.Union, type(int | str))
 
 
+@user_facing
 def check_tree(tree: Any, annotation: Any = None, *, name: str | None = None) -> None:
     """Checks every array in `tree` against its annotation: shape, dtype and sharding.
 

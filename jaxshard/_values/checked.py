@@ -9,7 +9,7 @@ from typing import Any, overload
 
 from .. import _config
 from .._annotations import tensors
-from .._errors import expect_callable, ShardingError
+from .._errors import expect_callable, hide_frames, ShardingError, user_facing
 from .._jax_internals import in_trace, jit_parameters
 from .._sharding import diagnosis
 from .frames import _compiled, recording_into
@@ -107,26 +107,32 @@ def checked(fn: Any = None, *, inputs_finite: Any = False) -> Any:
                 # unchanged context keeps the call on jit's fast path), and a call
                 # from inside a trace is recognised by what it returns.
                 out, found = compiled(*args, **kwargs)
+                scope.found(found, checks)
+                return out
+            if in_trace():
+                raise _inside_a_trace(scope.name)
+            scope.begin_call(args, kwargs)
+            with recording_into(scope):
+                out = run(*args, **kwargs)
+            if checks == "raise":
+                failures = scope.take_failures(deferred=False)
+                if failures:
+                    raise CheckError(failures, when=f" in {scope.name}")
             else:
-                if in_trace():
-                    raise _inside_a_trace(scope.name)
-                scope.begin_call(args, kwargs)
-                with recording_into(scope):
-                    out = run(*args, **kwargs)
+                deferred_scopes.add(scope)
+            return out
         except ValueError as e:
             if not diagnosis.is_jit_mismatch(e):
                 raise
-            raise _jit_mismatch(scope.name, fn, args, kwargs) from None
-        if compiled is not None:
-            scope.found(found, checks)
-            return out
-        if checks == "raise":
-            failures = scope.take_failures(deferred=False)
-            if failures:
-                raise CheckError(failures, when=f" in {scope.name}")
-        else:
-            deferred_scopes.add(scope)
-        return out
+            error = _jit_mismatch(scope.name, fn, args, kwargs)
+            try:
+                raise error from None
+            except ShardingError:
+                hide_frames(error)
+                raise
+        except Exception as e:
+            hide_frames(e)  # a violation or a failed check: it ends at the call
+            raise
 
     if compiled is not None:
 
@@ -155,6 +161,7 @@ def _jit_mismatch(name: str, fn: Callable, args: tuple, kwargs: dict) -> Shardin
     )
 
 
+@user_facing
 def flush_checks() -> None:
     """Reads the flags of every `checked` function called in deferred mode since the
     last flush, and raises `jaxshard.CheckError` listing every failure (with the call
@@ -183,5 +190,9 @@ class deferred_checks:
     def __exit__(self, kind, value, traceback):
         self._config.__exit__(kind, value, traceback)
         if kind is None:
-            flush_checks()
+            try:
+                flush_checks()
+            except CheckError as e:
+                hide_frames(e)  # it ends at the user's `with` block
+                raise
         return False

@@ -22,6 +22,7 @@ from .._errors import (
     ModelError,
     ShardingError,
     TypeCheckError,
+    user_facing,
 )
 from .._jax_internals import function_name, is_sharding_type_error
 from .._sharding import diagnosis
@@ -39,6 +40,8 @@ from .budgets import (
     _budget_rows,
     _check_budget,
     _does_not_fit,
+    _flops,
+    _memory,
     input_names,
     layouts,
     sharding_budget_rows,
@@ -47,8 +50,6 @@ from .collectives import _is_user_code, collectives, user_frames_by_op
 from .recorder import Recorder
 from .report import (
     _check_tolerance,
-    _flops,
-    _memory,
     _violation,
     Report,
     tally,
@@ -63,6 +64,7 @@ def _is_input(value: Any) -> bool:
     )
 
 
+@user_facing
 def verify(
     fn: Callable,
     *,
