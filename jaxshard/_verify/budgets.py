@@ -1,7 +1,8 @@
 """The budgets `jaxshard.verify` checks a compiled program against: collectives per
 kind and bytes moved, memory per device against the budget and the HBM of the mesh's
 chips, and how much of the inputs is sharded; and the inputs' and outputs' layouts
-these are read from."""
+these are read from, and the program's memory per device and FLOPs, with the HBM of
+a TPU chip."""
 
 from collections.abc import Mapping
 from typing import Any
@@ -213,3 +214,61 @@ def _budget_row(what: str, expected: str, actual: str, culprits: list) -> Row:
         f"{actual} {said}, over the budget of {expected}: {listed}{more}.",
         annotation=f"max {noun} {expected}",
     )
+
+
+# --- the program's measures ---------------------------------------------------------
+
+GiB = 1 << 30
+
+# HBM per TPU chip, by the device kind JAX reports, from Google Cloud's TPU
+# documentation ("TPU versions"): v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e (Trillium)
+# 32 GiB. A topology whose chips list two devices each (v4) halves it per device.
+HBM_PER_CHIP = {
+    "TPU v4": 32 * GiB,
+    "TPU v5 lite": 16 * GiB,
+    "TPU v5": 95 * GiB,
+    "TPU v6 lite": 32 * GiB,
+}
+
+
+def hbm_per_device(mesh: Any) -> int | None:
+    """The HBM of one device of `mesh`, or `None` off TPUs (or for an unknown
+    generation)."""
+    devices = list(mesh.devices.flat)
+    per_chip = HBM_PER_CHIP.get(getattr(devices[0], "device_kind", ""))
+    if per_chip is None:
+        return None
+    chips = {tuple(getattr(d, "coords", (i,))) for i, d in enumerate(devices)}
+    return per_chip * len(chips) // len(devices)
+
+
+def _memory(compiled: Any, mesh: Any = None) -> Memory | None:
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # not every backend implements it
+        return None
+    if stats is None:
+        return None
+    out = Memory(
+        arguments=stats.argument_size_in_bytes,
+        outputs=stats.output_size_in_bytes,
+        temporaries=stats.temp_size_in_bytes,
+        aliased=stats.alias_size_in_bytes,
+        code=stats.generated_code_size_in_bytes,
+    )
+    out["total"] = out.arguments + out.outputs + out.temporaries - out.aliased
+    out["hbm_bytes"] = None if mesh is None else hbm_per_device(mesh)
+    out["headroom"] = None if out.hbm_bytes is None else out.hbm_bytes - out.total
+    return out
+
+
+def _flops(compiled: Any) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:
+        return None
+    if isinstance(cost, list):  # older jax: one dict per program
+        cost = cost[0] if cost else None
+    if not cost or "flops" not in cost:
+        return None
+    return float(cost["flops"])

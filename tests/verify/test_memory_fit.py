@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxshard
 from jaxshard import Float
-from jaxshard._verify import report as _report
+from jaxshard._verify import budgets
 
 
 GiB = 1 << 30
@@ -42,7 +42,7 @@ def test_no_hbm_on_cpu_meshes(auto_mesh):
 )
 def test_hbm_per_device_by_generation(tpu_topology, topology, axes, per_device):
     mesh = tpu_topology(topology, axes)
-    assert _report.hbm_per_device(mesh) == per_device
+    assert budgets.hbm_per_device(mesh) == per_device
     report = jaxshard.verify(scale, mesh=mesh, dims={"b": 64, "d": 128})
     assert report.memory.hbm_bytes == per_device
     assert report.memory.headroom == per_device - report.memory.total
