@@ -36,7 +36,7 @@ def view(report: Any) -> dict:
             "outputs": {k: array(v) for k, v in report.outputs.items()},
         },
         "sites": sites(report.collectives),
-        "check_collectives": _per_kind(getattr(report, "check_collectives", ())),
+        "check_collectives": _per_kind(report.check_collectives),
         "program": {
             "code": None if memory is None else memory["code"],
             "hbm_bytes": None if memory is None else memory["hbm_bytes"],
