@@ -160,10 +160,10 @@ def _compose(items: list, head: str, inputs: list, why: str, tail: list) -> str:
     several = f" #{first.k} of {first.n}" if first.n > 1 else ""
     value = f"{first.function}{several}, {first.value}"
     if odd:
-        path, spec, common, count = odd[0]
+        path, spec, common, count, who = odd[0]
         lines = [
             f"{head}: the likely cause is {path}, laid out {spec} where {count} of "
-            f"its siblings (the same weight in the other layers) are {common}."
+            f"its siblings ({who}) are {common}."
         ]
         if len(odd) > 1:
             lines.append(
@@ -239,14 +239,18 @@ def _numbered(path: str) -> list[tuple[int, str]]:
     return out
 
 
-def siblings(leaves: Iterable[tuple[str, Any]]) -> list[tuple[str, str, str, int]]:
-    """`(path, its spec, its siblings' spec, how many agree)` for each array laid out
-    unlike the arrays of its shape whose paths differ from its in one number (the
-    same weight in the other layers), where at least two of them agree and it agrees
-    with the majority along no other numbered part of its path (the output
-    projection, among a layer's numbered projections, is laid out as itself in every
-    layer). `leaves` are `(path, array)`; arrays without a `NamedSharding` are left
-    out."""
+def siblings(leaves: Iterable[tuple[str, Any]]) -> list[tuple[str, str, str, int, str]]:
+    """`(path, its spec, its siblings' spec, how many agree, who they are)` for each
+    array laid out unlike its siblings. `leaves` are `(path, array)`; arrays without a
+    `NamedSharding` are left out.
+
+    The siblings are the arrays of its shape whose paths differ from its in one
+    number (the same weight in the other layers), where at least two of them agree
+    and it agrees with the majority along no other numbered part of its path (the
+    output projection, among a layer's numbered projections, is laid out as itself
+    in every layer). Where no array is unlike those, the arrays of its shape whose
+    paths end as its does (the same weight in the optimizer state: `.mu[...]`,
+    `.nu[...]`), at least two of them agreeing."""
     specs: dict[str, tuple[str, tuple]] = {}
     for path, leaf in leaves:
         path = path.removesuffix(".value")  # a flax box's, or an nnx Variable's
@@ -262,25 +266,55 @@ def siblings(leaves: Iterable[tuple[str, Any]]) -> list[tuple[str, str, str, int
             groups.setdefault((i, wild, shape), []).append(path)
     verdicts: dict[str, list[tuple[bool, str, int]]] = {}
     for members in groups.values():
-        if len(members) < 3:
-            continue
-        counts: dict[str, int] = {}
-        for path in members:
-            counts[specs[path][0]] = counts.get(specs[path][0], 0) + 1
-        common, most = max(counts.items(), key=lambda kv: kv[1])
-        if most < 2 or most * 2 <= len(members):
-            continue  # no clear majority
-        for path in members:
-            verdicts.setdefault(path, []).append(
-                (specs[path][0] == common, common, most)
-            )
+        for path, verdict in _verdicts(members, specs).items():
+            verdicts.setdefault(path, []).append(verdict)
     out = []
     for path in specs:  # in the order of the inputs
         found = verdicts.get(path)
         if not found or any(agrees for agrees, _, _ in found):
             continue
         _, common, most = found[0]
-        out.append((path, specs[path][0], common, most))
+        out.append((path, specs[path][0], common, most, _LAYERS))
+    return out or _twins(specs)
+
+
+_LAYERS = "the same weight in the other layers"
+_TWINS = "the arrays of its shape whose paths end as its does: its optimizer state"
+
+
+def _verdicts(members: list[str], specs: dict) -> dict[str, tuple[bool, str, int]]:
+    """`path -> (agrees, the common spec, how many have it)` for a group of arrays
+    with a clear majority of at least two (else none)."""
+    if len(members) < 3:
+        return {}
+    counts: dict[str, int] = {}
+    for path in members:
+        counts[specs[path][0]] = counts.get(specs[path][0], 0) + 1
+    common, most = max(counts.items(), key=lambda kv: kv[1])
+    if most < 2 or most * 2 <= len(members):
+        return {}  # no clear majority
+    return {path: (specs[path][0] == common, common, most) for path in members}
+
+
+def _twins(specs: dict) -> list[tuple[str, str, str, int, str]]:
+    """`siblings` by the end of the path: each array against the longest ending it
+    shares with at least two arrays of its shape."""
+    parts = {path: tuple(_PART.findall(path)) for path in specs}
+    endings: dict[tuple, list[str]] = {}
+    for path, (_, shape) in specs.items():
+        for n in range(1, len(parts[path])):
+            endings.setdefault((shape, parts[path][-n:]), []).append(path)
+    out = []
+    for path, (spec, shape) in specs.items():
+        for n in range(len(parts[path]) - 1, 0, -1):
+            members = endings[(shape, parts[path][-n:])]
+            if len(members) >= 3:
+                agrees, common, most = _verdicts(members, specs).get(
+                    path, (True, "", 0)
+                )
+                if not agrees:
+                    out.append((path, spec, common, most, _TWINS))
+                break
     return out
 
 
@@ -313,21 +347,18 @@ def inputs_of(call: tuple | None) -> list[tuple[str, Any]]:
     return out
 
 
-_OUTLIERS = (
-    "The likely cause, among the program's inputs: laid out unlike the same weight "
-    "in the other layers:"
-)
-
-
 def outliers_note(
-    found: list[tuple[str, str, str, int]], shown: int = 3, head: str = _OUTLIERS
+    found: list[tuple[str, str, str, int, str]], shown: int = 3, head: str = ""
 ) -> str:
     """The likely cause among the program's inputs, in words; "" if there is
     none."""
     if not found:
         return ""
-    lines = [head]
-    for path, spec, common, count in found[:shown]:
+    who = found[0][4]
+    lines = [
+        head or f"The likely cause, among the program's inputs: laid out unlike {who}:"
+    ]
+    for path, spec, common, count, _ in found[:shown]:
         lines.append(f"- {path} is {spec}, where {count} of its siblings are {common}.")
     if len(found) > shown:
         lines.append(

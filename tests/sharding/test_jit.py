@@ -406,6 +406,38 @@ def test_violations_name_the_call_in_program_order(auto_mesh):
     assert all(not r.call for r in report.rows if r.ok)
 
 
+def step(state: dict, x: Float[Array, "b d", P("dp", None)]):
+    """Two layers and their optimizer state, as a train step takes them."""
+    for w in state["params"].values():
+        x = block(x, w)
+    return x
+
+
+def test_two_layers_blame_the_weight_unlike_its_optimizer_state(auto_mesh):
+    """With two layers no weight has a majority of siblings: the weight laid out
+    unlike the same weight in the optimizer state (paths that end as its does) is
+    the likely cause."""
+    good, bad = P(None, "tp"), P("tp", None)
+    names = ["layers_0", "layers_1"]
+
+    def tree(wrong: str | None):
+        return {n: put((16, 16), auto_mesh, bad if n == wrong else good) for n in names}
+
+    state = {"params": tree("layers_1"), "opt": {"mu": tree(None), "nu": tree(None)}}
+    x = put((8, 16), auto_mesh, P("dp"))
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jax.jit(step)(state, x)
+    assert (
+        str(e.value)
+        .splitlines()[0]
+        .endswith(
+            ": the likely cause is state['params']['layers_1'], laid out P('tp', None) "
+            "where 2 of its siblings (the arrays of its shape whose paths end as its "
+            "does: its optimizer state) are P(None, 'tp')."
+        )
+    )
+
+
 def test_a_program_compiled_ahead_says_its_inputs_were_not_read(auto_mesh):
     """`.lower(...).compile()` has no call whose arguments name the inputs: the
     message says the weight could not be looked for, and how to have it named."""
