@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import jaxtyping
 
-from ._errors import did_you_mean
+from ._errors import did_you_mean, hide_frames
 
 
 # --- axis rules: the value of the `rules` setting ---------------------------------
@@ -262,8 +262,12 @@ class _Scope:
 
         @ft.wraps(fn)
         def wrapper(*args, **kwargs):
-            with self._again():
-                return fn(*args, **kwargs)
+            try:
+                with self._again():
+                    return fn(*args, **kwargs)
+            except Exception as e:
+                hide_frames(e)  # a violation in `fn` ends at the user's call
+                raise
 
         return wrapper
 

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec
 
 from .. import _config
 from .._config import AxisRules, interned, normalise
-from .._errors import AnnotationError
+from .._errors import AnnotationError, hide_frames
 from .spec import format_spec
 
 
@@ -245,10 +245,14 @@ class _FromArguments:
                     kwargs[n] if n in kwargs else args[i] if i < len(args)
                     else defaults[n]
                 )  # fmt: skip
-            if any(v is inspect.Parameter.empty for v in picked.values()):
-                return fn(*args, **kwargs)  # its own error for a missing argument
-            with _RulesScope(self._table(self._pick(**picked))):
-                return fn(*args, **kwargs)
+            try:
+                if any(v is inspect.Parameter.empty for v in picked.values()):
+                    return fn(*args, **kwargs)  # its own error for a missing argument
+                with _RulesScope(self._table(self._pick(**picked))):
+                    return fn(*args, **kwargs)
+            except Exception as e:
+                hide_frames(e)  # a violation in `fn` ends at the user's call
+                raise
 
         return wrapper
 

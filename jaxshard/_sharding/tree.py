@@ -67,21 +67,18 @@ def check_tree(tree: Any, annotation: Any = None, *, name: str | None = None) ->
     _check_all(
         f"check_tree({name})",
         [(where, expected, value, None) for where, expected, value in found],
-        (
-            "1 array does not match its annotation",
-            "{} arrays do not match their annotations",
-        ),
+        "{} arrays do not match their annotations",
     )
 
 
 def _check_all(
-    what: str, found: list, heads: tuple[str, str], source: str = "the annotation"
+    what: str, found: list, several: str, source: str = "the annotation"
 ) -> None:
     """Checks each `(path, expected, value, rules)` of `found` (`expected` an
     annotation or a `Stated` layout), with one set of dimension bindings, and raises
     listing every failure by path: a `ShardingError` if a sharding is among the
-    reasons, else a `TypeCheckError`. `heads` says how many failed: one, then
-    several (`{}` for the number); `source` is what states the layouts."""
+    reasons, else a `TypeCheckError`: one on one line, several under a head,
+    `several` (`{}` for how many); `source` is what states the layouts."""
     function = what.split("(", 1)[0]
     failures = []
     with jaxtyping.jaxtyped("context"):
@@ -92,18 +89,15 @@ def _check_all(
                 failures.append((where, _worded(reason, source), sharding))
     if failures:
         error = ShardingError if any(s for *_, s in failures) else TypeCheckError
-        # The first failure's path on the first line, however many there are.
-        first = failures[0][0]
-        head = (
-            heads[0].replace("1 array", first, 1)
-            if len(failures) == 1
-            else f"{heads[1].format(len(failures))}, the first {first}"
-        )
         lines = [
-            f"- {w}{' ' if r.startswith('is ') else ': '}{r.rstrip('.')}."
+            f"{w}{' ' if r.startswith('is ') else ': '}{r.rstrip('.')}."
             for w, r, _ in failures
         ]
-        raise error(f"{what}: {head}:\n" + "\n".join(lines))
+        if len(failures) == 1:  # the path and what is wrong, on one line
+            raise error(f"{what}: {lines[0]}")
+        # The first failure's path on the first line, however many there are.
+        head = f"{several.format(len(failures))}, the first {failures[0][0]}"
+        raise error(f"{what}: {head}:\n" + "\n".join(f"- {x}" for x in lines))
 
 
 _THIS_ARRAY = re.compile(r"^this array \([^()]*\) (?=is )")

@@ -42,9 +42,9 @@ def test_a_module_after_tree_at(mesh):
     moved = eqx.tree_at(lambda m: m.w, model, put((8, 4), mesh, P("dp")))
     with pytest.raises(jaxshard.ShardingError) as e:
         jaxshard.check_tree(moved)
-    assert str(e.value).startswith("check_tree(Layer): Layer.w does not match its")
-    assert "- Layer.w: this array (float32[8,4]) is sharded as P('dp', None)" in str(
-        e.value
+    assert str(e.value).startswith(  # one failure, one line
+        "check_tree(Layer): Layer.w: this array (float32[8,4]) is sharded as "
+        "P('dp', None)"
     )
 
 
@@ -121,13 +121,13 @@ def test_a_union_passes_when_any_arm_holds(mesh):
     jaxshard.check_tree(Quantizable(put((8, 4), mesh, P(None, "tp"))))
     with pytest.raises(jaxshard.ShardingError) as e:
         jaxshard.check_tree(Quantizable(put((8, 4), mesh, P("dp", None))))
-    assert "- Quantizable.w: this array (float32[8,4]) is sharded as P('dp'" in str(
+    assert "): Quantizable.w: this array (float32[8,4]) is sharded as P('dp'" in str(
         e.value
     )
     misplaced = dataclasses.replace(quant, scale=put((1, 4), mesh, P()))
     with pytest.raises(jaxshard.ShardingError) as e:
         jaxshard.check_tree(Quantizable(misplaced))
-    assert "- Quantizable.w.scale: this array (float32[1,4]) is sharded as P(None" in (
+    assert "): Quantizable.w.scale: this array (float32[1,4]) is sharded as P(None" in (
         str(e.value)
     )
     with pytest.raises(jaxtyping.TypeCheckError, match="Quantizable.w"):
