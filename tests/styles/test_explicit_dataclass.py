@@ -213,7 +213,7 @@ class CheckedMlp:
 
 
 @pytest.mark.xfail(
-    reason="issue 49 point 11: @jaxshard.jaxtyped on a "
+    reason="issue 49 point 12: @jaxshard.jaxtyped on a "
     "jax.tree_util.register_dataclass class checks every unflatten (JAX calls "
     "__init__): jax.tree.map to shardings, "
     "jax.eval_shape and jit's out_shardings raise TypeCheckError (jaxtyping's "

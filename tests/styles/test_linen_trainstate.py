@@ -100,7 +100,7 @@ def test_the_state_is_checked_against_its_own_logical_specs(lm):
 
 
 @pytest.mark.xfail(
-    reason="issue 49 point 5: under flax's own nn.logical_axis_rules, a logical name "
+    reason="issue 49 point 8: under flax's own nn.logical_axis_rules, a logical name "
     "the table leaves out ('kv' in lm1b's) is an error, where flax lays it out "
     "unsharded: 12 false violations on lm1b's attention kernels",
     strict=True,
@@ -188,7 +188,7 @@ def test_the_state_is_checked_against_its_shardings(lm):
 
 
 @pytest.mark.xfail(
-    reason="issue 49 point 8: a TrainState's annotations cannot be read: "
+    reason="issue 49 point 9: a TrainState's annotations cannot be read: "
     "typing.get_type_hints raises NameError: name 'ArrayTree' is not defined "
     "(check_tree, verify, shardings on a TrainState or a parameter annotated so)",
     strict=True,
@@ -199,7 +199,7 @@ def test_check_tree_takes_a_train_state(lm):
 
 @pytest.mark.tpu_topology
 @pytest.mark.xfail(
-    reason="issue 49 point 8: verify of a step whose state parameter is annotated "
+    reason="issue 49 point 9: verify of a step whose state parameter is annotated "
     "TrainState raises NameError: name 'ArrayTree' is not defined",
     strict=True,
 )
@@ -238,7 +238,7 @@ def test_the_traceback_of_the_in_shardings_error_ends_at_the_users_call(lm):
 
 @pytest.mark.tpu_topology
 @pytest.mark.xfail(
-    reason="issue 49 point 12: verify pairs the compiled program's input shardings "
+    reason="issue 49 point 13: verify pairs the compiled program's input shardings "
     "with the inputs in order, but jit drops an input the program does not use "
     "(here the dropout rng, dropout being off): a raw ValueError 'Sharding ... "
     "P('tensor', 'fsdp') ... applied to a value of rank 0' from "

@@ -67,7 +67,7 @@ def test_a_copy_pasted_expert_name_is_named_by_its_path(moe):
 
 
 @pytest.mark.xfail(
-    reason="issue 49 point 9: inside shard_map a block is taken to be laid out as the "
+    reason="issue 49 point 10: inside shard_map a block is taken to be laid out as the "
     "body's annotation says; one its in_specs lay out otherwise (the expert weights' "
     "ffw dimension whole, P('z', None, None), where the annotation says P('z', None, "
     "'y')) passes, eagerly and under jit, check_vma True or False "
@@ -91,7 +91,7 @@ def test_the_experts_annotations_see_in_specs_that_disagree(moe):
 
 @pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.xfail(
-    reason="issue 49 point 10: jaxshard.shard_map of a body with a union-annotated "
+    reason="issue 49 point 11: jaxshard.shard_map of a body with a union-annotated "
     "parameter (WeUp | QuantArray) raises AttributeError: 'types.UnionType' object "
     "has no attribute 'spec' (jaxshard/_values/shard_map.py, _laid_out)",
     strict=True,
