@@ -3,6 +3,7 @@ value of which function is being checked (`where`)."""
 
 import contextlib
 import dataclasses
+import re
 import threading
 import typing
 from collections.abc import Iterator
@@ -77,13 +78,29 @@ def naming(function: str, name: str) -> Iterator[None]:
 
 
 def subject(function: Any, name: str | None) -> str:
-    """How messages name a checked value: `f, parameter 'x'`, `f, the return
-    value`, or an `isinstance` check outside any function (`function` is `None`)."""
+    """How messages name a checked value: `f, parameter 'x'`, `f, field 'x.w'`,
+    `f, the return value`, or an `isinstance` check outside any function
+    (`function` is `None`)."""
     if function is None:
         return "a value checked with isinstance outside any jaxtyped function"
+    return f"{function}, {value_name(name)}"
+
+
+def value_name(name: str | None) -> str:
+    """`parameter 'x'`; a path into one is no parameter: `field 'x.w'` (a
+    dataclass's, NamedTuple's or Module's), `leaf "x['w']"` (a dict's or list's);
+    `the return value` (and `the return value's leaf '[0]'`)."""
+    if name is None:
+        return "a value"
     if name == "return":
-        return f"{function}, the return value"
-    return f"{function}, parameter {name!r}"
+        return "the return value"
+    if name.startswith("return") and name[6:7] in (".", "["):
+        noun = value_name(name[6:]).split(" ", 1)[0]
+        return f"the return value's {noun} {name[6:]!r}"
+    if not re.search(r"[.\[]", name):
+        return f"parameter {name!r}"
+    noun = "field" if re.search(r"[.]\w+$", name) else "leaf"
+    return f"{noun} {name!r}"
 
 
 def where(obj: Any, annotation: Any = None) -> tuple[str | None, str | None]:

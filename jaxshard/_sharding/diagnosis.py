@@ -23,6 +23,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._annotations.spec import format_spec
+from .describe import value_name
 from .sites import call_numbers
 
 
@@ -41,7 +42,7 @@ def _layout(violation: Any) -> tuple[str, str]:
 
 
 def _value(name: str | None) -> str:
-    return "the return value" if name == "return" else f"parameter {name!r}"
+    return value_name(name)
 
 
 def _calls(numbers: dict, site: Any) -> tuple[str, int]:

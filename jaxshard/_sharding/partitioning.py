@@ -12,7 +12,8 @@ from .._annotations.logical import active_rules, flax_rules, L, using
 from .._annotations.spec import axes_of
 from .._errors import ShardingError, TypeCheckError, user_facing
 from .array_types import Shaped
-from .tree import _check_all, _is_array, _is_variable, Stated
+from .boxes import is_box, is_variable, unboxed
+from .tree import _check_all, _is_array, Stated
 
 
 @user_facing
@@ -86,7 +87,7 @@ def partitioned_leaves(tree: Any, specs: Any, name: str) -> list:
     out = []
     if specs is not None:
         pairs = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
-        values = jax.tree_util.tree_leaves(tree, is_leaf=_is_box)
+        values = jax.tree_util.tree_leaves(tree, is_leaf=is_box)
         if len(pairs) != len(values):
             raise ValueError(
                 f"check_partitioning({name}): `specs` has {len(pairs)} leaves and the "
@@ -95,14 +96,14 @@ def partitioned_leaves(tree: Any, specs: Any, name: str) -> list:
             )
         for (path, spec), value in zip(pairs, values):
             if spec is not None:
-                value = _unboxed(value)
+                value = unboxed(value)
                 expected = _expected(spec, value, _path(name, path))
                 out.append((_path(name, path), expected, value, None))
         return out
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
         spec, own = _metadata(leaf)
         if spec is not None:
-            out.append((_path(name, path), _annotation(spec), _unboxed(leaf), own))
+            out.append((_path(name, path), _annotation(spec), unboxed(leaf), own))
     return out
 
 
@@ -168,12 +169,6 @@ def _is_spec(x: Any) -> bool:
     )
 
 
-def _is_box(x: Any) -> bool:
-    """A flax linen partitioning box, or an nnx Variable."""
-    return _is_variable(x) or type(x).__name__ in _BOXES and hasattr(x, "names")
-
-
-_BOXES = ("Partitioned", "LogicallyPartitioned")
 # Where nnx Variables keep their partitioning: `out_sharding` in flax 0.12, earlier
 # `sharding_names` and `sharding`.
 _NNX_KEYS = ("out_sharding", "sharding_names", "sharding")
@@ -181,7 +176,7 @@ _NNX_KEYS = ("out_sharding", "sharding_names", "sharding")
 
 def _metadata(leaf: Any) -> tuple[Any, Any]:
     """The partitioning a leaf carries (`PartitionSpec` or `L`), and its own rules."""
-    if _is_variable(leaf):
+    if is_variable(leaf):
         metadata = leaf.get_metadata()
         names = next((metadata[k] for k in _NNX_KEYS if metadata.get(k)), None)
         if names is None:
@@ -190,43 +185,19 @@ def _metadata(leaf: Any) -> tuple[Any, Any]:
             # Mesh axes, as nnx reads them; logical names if the rules in force
             # know them and the mesh does not.
             spec = PartitionSpec(*names)
-            return _logical_if_named(spec, _unboxed(leaf)), None
+            return _logical_if_named(spec, unboxed(leaf)), None
         # As nnx placed it: its own renaming by flax's rules (a name without a rule
         # stays as it is, a mesh axis).
         from flax import nnx
 
         spec = nnx.get_partition_spec(leaf)
-        return PartitionSpec(*(spec.get_value() if _is_variable(spec) else spec)), None
-    if _is_box(leaf):
+        return PartitionSpec(*(spec.get_value() if is_variable(spec) else spec)), None
+    if is_box(leaf):
         names = tuple(leaf.names)
         if type(leaf).__name__ == "LogicallyPartitioned":
             return L(*names), getattr(leaf, "rules", None) or None
         return PartitionSpec(*names), None
     return None, None
-
-
-def unboxed_paths(tree: Any) -> list[tuple[tuple, Any]]:
-    """`(path, leaf)` for each leaf of `tree`, as `tree_flatten_with_path` gives
-    them, except that the leaf a flax box or nnx Variable holds has the box's path:
-    without the box's own `.value` key (`params['Dense_0']['kernel']`), which is no
-    part of the model."""
-    out = []
-    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]:
-        if not _is_box(node):
-            out.append((path, node))
-            continue
-        for inner, leaf in jax.tree_util.tree_flatten_with_path(node)[0]:
-            own = bool(inner) and getattr(inner[0], "name", None) == "value"
-            out.append((path + inner[1 if own else 0 :], leaf))
-    return out
-
-
-def _unboxed(leaf: Any) -> Any:
-    if _is_variable(leaf):
-        return leaf.get_value()
-    if _is_box(leaf):
-        return leaf.value
-    return leaf
 
 
 def place_partitioned(tree: Any, mesh: Any) -> Any:
@@ -236,7 +207,7 @@ def place_partitioned(tree: Any, mesh: Any) -> Any:
     compile."""
 
     def place(leaf: Any) -> Any:
-        value = _unboxed(leaf)
+        value = unboxed(leaf)
         if not (isinstance(value, jax.ShapeDtypeStruct) and value.sharding is None):
             return leaf
         spec, own = _metadata(leaf)
@@ -247,13 +218,13 @@ def place_partitioned(tree: Any, mesh: Any) -> Any:
         placed = jax.ShapeDtypeStruct(
             value.shape, value.dtype, sharding=NamedSharding(mesh, spec)
         )
-        if _is_variable(leaf):
+        if is_variable(leaf):
             return leaf.replace(placed)
         return leaf.replace_boxed(placed)
 
-    if not any(_is_box(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_box)):
+    if not any(is_box(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_box)):
         return tree
-    return jax.tree_util.tree_map(place, tree, is_leaf=_is_box)
+    return jax.tree_util.tree_map(place, tree, is_leaf=is_box)
 
 
 def _annotation(spec: Any) -> Any:

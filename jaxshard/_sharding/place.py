@@ -27,11 +27,12 @@ from .._annotations.spec import fill_unconstrained
 from .._errors import ShardingError, TypeCheckError, user_facing
 from .._jax_internals import ArrayMeta
 from .array_types import partition_spec
+from .boxes import is_box, is_variable, unboxed
 from .constrain import find_mesh, laid_out_on, lay_out, unfit
 from .describe import describe_array
-from .partitioning import _annotation, _is_box, _metadata, _path, _unboxed
+from .partitioning import _annotation, _metadata, _path
 from .signature import _input_spec
-from .tree import _fits, _is_array, _is_variable
+from .tree import _fits, _is_array
 
 
 _union_types = (typing.Union, type(int | str))
@@ -53,21 +54,21 @@ def plan(tree: Any, annotation: Any, name: str) -> tuple[list[Planned], Any]:
     """Each leaf of `tree` (boxes and Variables as leaves) with its annotation and
     spec under the rules in force, and the tree's structure."""
     root = type(tree) if annotation is None else annotation
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)
     out = []
     for path, leaf in leaves:
         found = _annotation_at(tree, root, path)
-        if _is_box(leaf) and not _is_array(found):
+        if is_box(leaf) and not _is_array(found):
             inner = get_args(found)  # `nnx.Param[Float[Array, ...]]`
-            found = _narrow(_unboxed(leaf), inner[0]) if inner else None
+            found = _narrow(unboxed(leaf), inner[0]) if inner else None
         found = found if _is_array(found) else None
         spec = None if found is None else partition_spec(found)
-        if found is None and _is_box(leaf):
+        if found is None and is_box(leaf):
             meta, own = _metadata(leaf)
             if meta is not None:
                 with using(own):
                     spec = _annotation(meta).spec
-        out.append(Planned(_path(name, path), leaf, _unboxed(leaf), found, spec))
+        out.append(Planned(_path(name, path), leaf, unboxed(leaf), found, spec))
     return out, treedef
 
 
@@ -382,8 +383,8 @@ def _eager_sharding(f: Planned, mesh: Any) -> NamedSharding:
 
 def _rebox(leaf: Any, value: Any) -> Any:
     """`value` in `leaf`'s box or Variable, as it was."""
-    if _is_variable(leaf):
+    if is_variable(leaf):
         return leaf.replace(value)
-    if _is_box(leaf):
+    if is_box(leaf):
         return leaf.replace_boxed(value)
     return value

@@ -14,8 +14,9 @@ from .._annotations.logical import using
 from .._annotations.spec import format_spec
 from .._errors import user_facing
 from .._jax_internals import context_mesh
+from .boxes import is_box, unboxed
 from .describe import describe_bytes, describe_mesh
-from .partitioning import _is_box, _path, _unboxed
+from .partitioning import _path
 from .place import _name, plan
 from .signature import _input_spec
 
@@ -202,8 +203,8 @@ def summary(tree: Any, mesh: Any = None, *, rules: Any = None) -> Summary:
         ```
     """
     name = _name(tree, None)
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]
-    values = [_unboxed(leaf) for _, leaf in leaves]
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
+    values = [unboxed(leaf) for _, leaf in leaves]
     arrays = [hasattr(v, "shape") and hasattr(v, "dtype") for v in values]
     shardings = [_sharding_of(v) if a else None for v, a in zip(values, arrays)]
     target = mesh if mesh is not None else context_mesh()

@@ -17,6 +17,7 @@ from .._annotations.spec import format_spec
 from .._errors import ShardingError, TypeCheckError, user_facing
 from .._jax_internals import ArrayMeta
 from .array_types import _MetaShardedArray, Shaped
+from .boxes import is_variable
 from .compare import compare
 from .describe import describe_array, describe_mesh, describe_sharding, naming
 from .layout import is_array_like
@@ -217,7 +218,7 @@ def _collect(value: Any, annotation: Any, where: str, out: list) -> None:
     `value`, walking the value's own structure."""
     if annotation is None or annotation is Any:
         return
-    if _is_variable(value):  # flax.nnx.Param and the like: check what it holds
+    if is_variable(value):  # flax.nnx.Param and the like: check what it holds
         inner = get_args(annotation)[0] if get_args(annotation) else annotation
         annotation = inner if _is_array_like_annotation(inner) else annotation
         value = value.get_value()
@@ -283,11 +284,6 @@ def _collect(value: Any, annotation: Any, where: str, out: list) -> None:
 
 def _is_array_like_annotation(annotation: Any) -> bool:
     return _is_array(annotation) or any(_is_array(a) for a in _arrays(annotation))
-
-
-def _is_variable(value: Any) -> bool:
-    """A `flax.nnx.Variable` (`nnx.Param`, ...), without importing flax."""
-    return type(value).__module__.startswith("flax.nnx") and hasattr(value, "get_value")
 
 
 def _fits(value: Any, option: Any) -> bool:

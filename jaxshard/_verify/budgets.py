@@ -11,10 +11,10 @@ import jax
 import numpy as np
 
 from .._errors import did_you_mean, expect
+from .._sharding.boxes import unboxed_paths
 from .._sharding.describe import (
     describe_bytes as _bytes,
 )
-from .._sharding.partitioning import unboxed_paths
 from .collectives import Collective, describe, KINDS, most_bytes
 from .report import _over_budget, Memory, Row
 

@@ -5,7 +5,6 @@ import dataclasses
 import functools as ft
 import json
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -419,18 +418,9 @@ def tally(violations: tuple[Row, ...], rows: tuple[Row, ...] = ()) -> str:
 def _violation(row: Row) -> str:
     if row.budget is not None:
         return f"{row.name}: {row.reason}"
-    what = _subject(row.function and (row.call or row.function), row.name)
+    what = subject(row.function and (row.call or row.function), row.name)
     block = f", inside shard_map a block {row.block} per device" if row.block else ""
     return f"{what} ({row.array}{block}, annotated {row.annotation}): {row.reason}"
-
-
-def _subject(function: str | None, name: str | None) -> str:
-    """`model, field 'params.wq'`: a path into a parameter (a dataclass's,
-    NamedTuple's or Module's field, or a leaf of a dict or list) is no parameter."""
-    if function is None or not name or not re.search(r"[.\[]", name):
-        return subject(function, name)
-    noun = "field" if re.search(r"\.\w+$", name) else "leaf"
-    return f"{function}, {noun} {name!r}"
 
 
 def _jax_type(row: Row) -> str:
