@@ -112,8 +112,11 @@ def flax_rules() -> AxisRules | None:
     seen, table = _flax_table
     if rules is not seen:  # flax's table is a tuple, read on every check
         try:
+            # flax lays out a logical name its rules do not mention unsharded
+            # (`logical_to_mesh_axes`): so do its rules here.
             table = dataclasses.replace(
-                normalise(rules), source="flax's nn.logical_axis_rules"
+                normalise(rules, unknown="replicated"),
+                source="flax's nn.logical_axis_rules",
             )
         except TypeError:
             table = None  # a table flax itself would refuse

@@ -17,6 +17,7 @@ import jax
 import jaxtyping
 
 from .._annotations import dims as _dims
+from .._annotations.hints import type_hints
 
 
 _union_types = (typing.Union, type(int | str))
@@ -39,7 +40,7 @@ def dimension_conflict(fn: Callable, args: tuple, kwargs: dict, message: str) ->
 
 def _dimension_conflict(fn: Callable, args: tuple, kwargs: dict, message: str) -> str:
     sig = inspect.signature(fn)
-    hints = typing.get_type_hints(fn, include_extras=True)
+    hints = type_hints(fn)
     arguments = sig.bind(*args, **kwargs).arguments
     bound: dict[str, tuple[int, str, tuple]] = {}
     conflict = ""
@@ -98,7 +99,7 @@ def _arrays(annotation: Any, value: Any, where: str) -> Iterator[tuple]:
         fields = [f.name for f in dataclasses.fields(annotation)]
     if fields and isinstance(value, annotation):
         try:
-            hints = typing.get_type_hints(annotation, include_extras=True)
+            hints = type_hints(annotation)
         except Exception:
             return
         for field in fields:

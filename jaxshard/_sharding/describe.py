@@ -13,6 +13,7 @@ import jax
 import jax.monitoring
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .._annotations.hints import type_hints
 from .._annotations.spec import (
     format_spec,
 )
@@ -154,7 +155,7 @@ def _mentions(hint: Any, annotation: Any, depth: int = 0) -> bool:
         dataclasses.is_dataclass(hint) or hasattr(hint, "_fields")
     ):
         try:
-            inner += typing.get_type_hints(hint, include_extras=True).values()
+            inner += type_hints(hint).values()
         except Exception:
             pass
     return any(_mentions(h, annotation, depth + 1) for h in inner)

@@ -22,6 +22,7 @@ import jaxtyping
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .._annotations.hints import type_hints
 from .._annotations.logical import using
 from .._annotations.spec import fill_unconstrained
 from .._errors import ShardingError, TypeCheckError, user_facing
@@ -131,7 +132,7 @@ def _hints(cls: type) -> dict[str, Any]:
     """`cls`'s annotations, resolved; those that resolve, if some name something out
     of scope."""
     try:
-        return typing.get_type_hints(cls, include_extras=True)
+        return type_hints(cls)
     except Exception:
         out: dict[str, Any] = {}
         for base in reversed(cls.__mro__):

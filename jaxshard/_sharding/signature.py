@@ -19,6 +19,7 @@ import jax
 import jaxtyping
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .._annotations.hints import type_hints
 from .._annotations.logical import using
 from .._errors import AnnotationError, expect, expect_callable, user_facing
 from .._jax_internals import context_mesh
@@ -47,7 +48,7 @@ def signature(fn: Callable) -> tuple[inspect.Signature, dict[str, Any]]:
     target = inspect.unwrap(fn.__func__ if bound else fn)
     sig = inspect.signature(target)
     try:
-        hints = typing.get_type_hints(target, include_extras=True)
+        hints = type_hints(target)
     except Exception:  # an annotation naming something out of scope
         hints = {
             name: p.annotation
@@ -122,7 +123,7 @@ def _walk(annotation: Any, leaf: Callable[[Any, str], Any], where: str) -> Any:
         annotation = origin  # e.g. a generic dataclass `Params[T]`
     if isinstance(annotation, type):
         if issubclass(annotation, tuple) and hasattr(annotation, "_fields"):
-            hints = typing.get_type_hints(annotation, include_extras=True)
+            hints = type_hints(annotation)
             return annotation(
                 *(
                     _walk(hints.get(f, Any), leaf, f"{where}.{f}")
@@ -149,7 +150,7 @@ def _is_prefixable(leaf: Callable) -> bool:
 
 
 def _dataclass(cls: type, leaf: Callable[[Any, str], Any], where: str) -> Any:
-    hints = typing.get_type_hints(cls, include_extras=True)
+    hints = type_hints(cls)
     values = {}
     for field in dataclasses.fields(cls):
         here = f"{where}.{field.name}"
@@ -209,7 +210,7 @@ def _array_annotations(annotation: Any, seen: set | None = None) -> list:
         dataclasses.is_dataclass(annotation)  # equinox Modules too
         or (issubclass(annotation, tuple) and hasattr(annotation, "_fields"))
     ):
-        for a in typing.get_type_hints(annotation, include_extras=True).values():
+        for a in type_hints(annotation).values():
             out += _array_annotations(a, seen)
     return out
 
@@ -228,7 +229,9 @@ def _positional(sig: inspect.Signature, what: str) -> list[inspect.Parameter]:
 
 
 def _name(fn: Callable) -> str:
-    return getattr(inspect.unwrap(fn), "__qualname__", repr(fn))
+    """`train_step`, `Model.forward`: the qualified name without `<locals>`."""
+    name = getattr(inspect.unwrap(fn), "__qualname__", repr(fn))
+    return name.split("<locals>.")[-1]
 
 
 # --- shardings and specs ------------------------------------------------------------

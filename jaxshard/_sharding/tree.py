@@ -12,6 +12,7 @@ from jax import Array
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import _config
+from .._annotations.hints import type_hints
 from .._annotations.logical import using
 from .._annotations.spec import format_spec
 from .._errors import ShardingError, TypeCheckError, user_facing
@@ -246,7 +247,7 @@ def _collect(value: Any, annotation: Any, where: str, out: list) -> None:
                 return
         return
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        hints = typing.get_type_hints(type(value), include_extras=True)
+        hints = type_hints(type(value))
         for field in dataclasses.fields(value):
             if field.metadata.get("static", False):
                 continue
@@ -254,7 +255,7 @@ def _collect(value: Any, annotation: Any, where: str, out: list) -> None:
             _collect(getattr(value, field.name, None), hints.get(field.name), here, out)
         return
     if isinstance(value, tuple) and hasattr(type(value), "_fields"):  # NamedTuple
-        hints = typing.get_type_hints(type(value), include_extras=True)
+        hints = type_hints(type(value))
         for field in type(value)._fields:
             here = f"{where}.{field}"
             _collect(getattr(value, field), hints.get(field), here, out)
@@ -271,12 +272,9 @@ def _collect(value: Any, annotation: Any, where: str, out: list) -> None:
         for k, v in value.items():
             _collect(v, args[1], f"{where}[{k!r}]", out)
         return
-    if isinstance(annotation, type) and isinstance(value, annotation):
+    if _fits(value, annotation):
         # Any other class whose attributes are annotated (a flax.nnx.Module, say).
-        try:
-            hints = typing.get_type_hints(type(value), include_extras=True)
-        except Exception:  # an annotation naming something out of scope
-            return
+        hints = type_hints(type(value))
         for name, hint in hints.items():
             if not name.startswith("_") and hasattr(value, name):
                 _collect(getattr(value, name), hint, f"{where}.{name}", out)
@@ -288,4 +286,7 @@ def _is_array_like_annotation(annotation: Any) -> bool:
 
 def _fits(value: Any, option: Any) -> bool:
     cls = get_origin(option) or option
-    return isinstance(cls, type) and isinstance(value, cls)
+    try:
+        return isinstance(cls, type) and isinstance(value, cls)
+    except TypeError:  # a Protocol that is not runtime-checkable (optax's)
+        return False

@@ -4,6 +4,7 @@ checked as the global array it is part of, and value checks come out of the body
 an extra output that `checked` reads."""
 
 import functools as ft
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from .._config import normalise
 from .._errors import AnnotationError, expect, ShardingError
 from .._sharding.array_types import partition_spec
 from .._sharding.decorator import checked_by_jaxshard
-from .._sharding.layout import explicit_mismatch, is_explicit
+from .._sharding.layout import explicit_mismatch, is_array_like, is_explicit
 from .._sharding.signature import (
     _array_annotations,
     _input_spec,
@@ -139,7 +140,7 @@ def _shard_map(fn: Callable, mesh: Any, what: str, kwargs: dict) -> Callable:
 
     _, hints = signature(fn)
     arrays = [
-        (i, p.name, hints[p.name])
+        (i, p.name, _sharded(hints[p.name]))
         for i, p in enumerate(_positional(sig, what))
         if annotated and partition_spec(hints.get(p.name)) is not None
     ]
@@ -165,6 +166,14 @@ def _laid_out(what: str, arrays: list[tuple[int, str, Any]], args: tuple) -> tup
         if i >= len(args):
             break
         arg = args[i]
+        if not is_array_like(arg):  # another arm of a union (a quantized pair, say)
+            raise AnnotationError(
+                f"{what}: parameter {name!r} is a {type(arg).__name__}, but its "
+                f"annotation states a partition spec for an array only "
+                f"({format_spec(annotation.spec)}), so there is no in_spec for "
+                f"what it holds. Pass `in_specs=` with a spec for each of its "
+                "arrays (a tree of the same structure, as jax.shard_map takes it)."
+            )
         spec = _input_spec(annotation.spec)  # an unconstrained dimension is whole
         reason = explicit_mismatch(annotation, arg, spec)
         if reason:
@@ -179,6 +188,14 @@ def _laid_out(what: str, arrays: list[tuple[int, str, Any]], args: tuple) -> tup
             mesh = (arg.sharding if concrete else jax.typeof(arg).sharding).mesh
             args[i] = jax.sharding.reshard(arg, NamedSharding(mesh, spec))
     return tuple(args)
+
+
+def _sharded(annotation: Any) -> Any:
+    """The member of a union annotation that states the spec (or the annotation)."""
+    for member in typing.get_args(annotation) or (annotation,):
+        if partition_spec(member) is not None:
+            return member
+    return annotation
 
 
 def _padded(spec: PartitionSpec, arg: Any) -> PartitionSpec:

@@ -296,6 +296,18 @@ def test_eager_and_flax_rules():
                 checked(x)
 
 
+def test_flax_rules_leave_a_name_they_do_not_mention_unsharded():
+    """Under flax's own rules, a logical name no rule mentions is unsharded, as
+    flax lays it out (`logical_to_mesh_axes`); under jaxshard's, an error by
+    default."""
+    spec = Float[Array, "embed kv", L("embed", "kv")]
+    with nn.logical_axis_rules(FSDP):
+        assert jaxshard.partition_spec(spec) == P("fsdp", None)
+        with jaxshard.axis_rules(FSDP):
+            with pytest.raises(jaxshard.AnnotationError, match="'kv'"):
+                jaxshard.partition_spec(spec)
+
+
 def test_a_wrong_rule_is_named():
     m = fsdp_tp()
     checked = jaxshard.jaxtyped(layer)

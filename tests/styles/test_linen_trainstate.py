@@ -99,12 +99,6 @@ def test_the_state_is_checked_against_its_own_logical_specs(lm):
     assert not any("MlpBlock_0']['Dense_1']" in line for line in lines)
 
 
-@pytest.mark.xfail(
-    reason="issue 49 point 8: under flax's own nn.logical_axis_rules, a logical name "
-    "the table leaves out ('kv' in lm1b's) is an error, where flax lays it out "
-    "unsharded: 12 false violations on lm1b's attention kernels",
-    strict=True,
-)
 def test_the_boxes_lm1b_makes_are_checked_under_flaxs_own_rules(lm):
     model = TransformerLM(lm.config.replace(deterministic=True))
     dummy = jnp.ones((2, lm.config.max_len), jnp.int32)
@@ -187,22 +181,11 @@ def test_the_state_is_checked_against_its_shardings(lm):
     assert "layout tree says P('fsdp', 'tensor')" in str(caught.value)
 
 
-@pytest.mark.xfail(
-    reason="issue 49 point 9: a TrainState's annotations cannot be read: "
-    "typing.get_type_hints raises NameError: name 'ArrayTree' is not defined "
-    "(check_tree, verify, shardings on a TrainState or a parameter annotated so)",
-    strict=True,
-)
 def test_check_tree_takes_a_train_state(lm):
     jaxshard.check_tree(lm.state)  # no annotated field: nothing to check, no error
 
 
 @pytest.mark.tpu_topology
-@pytest.mark.xfail(
-    reason="issue 49 point 9: verify of a step whose state parameter is annotated "
-    "TrainState raises NameError: name 'ArrayTree' is not defined",
-    strict=True,
-)
 def test_the_step_verifies_for_a_v5e_slice(lm, tpu_topology):
     mesh = tpu_topology("v5e:2x4", {"data": 2, "fsdp": 2, "tensor": 2})
     shardings = nn.logical_to_mesh_sharding(lm.state_specs, mesh, LM1B_RULES)
@@ -237,15 +220,6 @@ def test_the_traceback_of_the_in_shardings_error_ends_at_the_users_call(lm):
 
 
 @pytest.mark.tpu_topology
-@pytest.mark.xfail(
-    reason="issue 49 point 13: verify pairs the compiled program's input shardings "
-    "with the inputs in order, but jit drops an input the program does not use "
-    "(here the dropout rng, dropout being off): a raw ValueError 'Sharding ... "
-    "P('tensor', 'fsdp') ... applied to a value of rank 0' from "
-    "_verify/budgets.py (layouts); with ranks that fit, report.arrays shows "
-    "shifted layouts",
-    strict=True,
-)
 def test_the_step_verifies_with_an_unused_input(lm, tpu_topology):
     """The step wrapped as a verify target, its state left unannotated (point 8
     aside): lm1b's dropout rng reaches no operation when dropout is off."""
