@@ -22,13 +22,48 @@ from .report import _over_budget, Memory, Row
 def layouts(values: Any, shardings: Any, root: str = "") -> dict[str, Any]:
     """Path -> `jax.ShapeDtypeStruct` with its sharding, for each array in `values`
     (a dict of parameters, with `root=""`: `params.wq`, `x`; or an output, with
-    `root="return"`: `return['loss']`)."""
+    `root="return"`: `return['loss']`) that the compiled program has.
+
+    `shardings` has the structure of `values`, as `Compiled.input_shardings` and
+    `output_shardings` give it: an input the program never reads, which jit leaves
+    out (`keep_unused=False`), has `None` there (JAX 0.10 to 0.12; pinned by
+    tests/verify/test_unused_inputs.py) and no entry here. The two are paired by
+    their place in that structure: `tree_leaves` would drop the `None`s and pair
+    each later sharding with the input before its own."""
+    # `flatten_up_to` keeps a `None` leaf in its place; an empty node of `values`
+    # (a `None` parameter) is one of `shardings` too.
+    flat = jax.tree_util.tree_structure(values).flatten_up_to(shardings)
     leaves = unboxed_paths(values)  # a flax box's `.value` is no part of a path
     out = {}
-    for (path, leaf), sharding in zip(leaves, jax.tree_util.tree_leaves(shardings)):
-        name = _name(path, root)
-        out[name] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+    for (path, leaf), sharding in zip(leaves, flat, strict=True):
+        if sharding is None:
+            continue
+        out[_name(path, root)] = jax.ShapeDtypeStruct(
+            np.shape(leaf), _dtype(leaf), sharding=sharding
+        )
     return out
+
+
+def _dtype(leaf: Any) -> Any:
+    """The dtype of an input: a Python number's as JAX takes it (weakly typed)."""
+    dtype = getattr(leaf, "dtype", None)
+    return dtype if dtype is not None else jax.numpy.asarray(leaf).dtype
+
+
+def unused_note(paths: Any, kept: Mapping[str, Any]) -> tuple[str, ...]:
+    """What the report says of the inputs jit left out of the program: those it
+    never reads (`keep_unused=False`), which have no layout and take no memory."""
+    unused = [p for p in paths if p not in kept]
+    if not unused:
+        return ()
+    n = len(unused)
+    listed = ", ".join(unused[:8]) + (f" and {n - 8} more" if n > 8 else "")
+    them, have = ("them", "they have") if n > 1 else ("it", "it has")
+    return (
+        f"The program never reads {n} input{'s' if n > 1 else ''} ({listed}): jit "
+        f"left {them} out of the compiled program (`keep_unused=False`), so {have} "
+        "no layout in report.inputs and no bytes on any device.",
+    )
 
 
 def input_names(values: Any, argument: str) -> dict[str, str]:

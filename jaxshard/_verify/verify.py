@@ -45,6 +45,7 @@ from .budgets import (
     input_names,
     layouts,
     sharding_budget_rows,
+    unused_note,
 )
 from .collectives import _is_user_code, collectives, user_frames_by_op
 from .recorder import Recorder
@@ -317,7 +318,9 @@ def _report(
                 "it: for a model that scans its layers, one layer's.",
             )
         memory = _memory(compiled, mesh)
-        ins = layouts(inputs.traced, compiled.input_shardings[0])
+        # `input_shardings` is `((traced,), {})`: the program's one argument.
+        ins = layouts(inputs.traced, compiled.input_shardings[0][0])
+        notes += unused_note(named.values(), ins)
         outs = layouts(compiled.out_info, compiled.output_shardings, "return")
         # The value checks' own collectives are no part of the model's budget.
         model = tuple(c for c in found if not c.from_checks)
