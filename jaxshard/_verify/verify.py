@@ -48,6 +48,7 @@ from .budgets import (
     unused_note,
 )
 from .collectives import _is_user_code, collectives, user_frames_by_op
+from .moved import incompatible_devices, onto_mesh, values_onto_mesh
 from .recorder import Recorder
 from .report import (
     _check_tolerance,
@@ -96,11 +97,14 @@ def verify(
     **Arguments:**
 
     - `fn`: the function, e.g. a training step or a model's forward pass (jitted or
-        not).
+        not). A `jax.jit` whose shardings are on other devices than `mesh`'s (the
+        CPUs at hand) is jitted anew with each `NamedSharding`'s spec on `mesh`, and
+        the report's notes say so.
     - `mesh`: the mesh: `jaxshard.tpu_mesh("v5e:16x16", {"dp": 16, "tp": 16})` for a
         TPU pod, or a mesh of simulated CPU devices.
     - `dims`, `dtypes`, `values`: as for `jaxshard.abstract_args`. Values that hold
-        no arrays are passed to `fn` as Python values (static).
+        no arrays are passed to `fn` as Python values (static); arrays laid out on
+        other devices are taken with the same specs on `mesh`.
     - `rules`: the axis rules for logical annotations (`L(...)`, `BY_NAME`), as
         `jaxshard.axis_rules` takes them; by default those in force.
     - `max_collectives`: a budget of collectives per kind, e.g. `{"all-gather": 0}`
@@ -208,6 +212,7 @@ class _Inputs:
     sig: inspect.Signature
     hints: dict[str, Any]
     module: Any  # a `torchax.compile`d module, or None
+    notes: tuple[str, ...] = ()  # what the report says of how `fn` was taken
 
     @classmethod
     def of(cls, fn, mesh, dims, dtypes, values) -> "_Inputs":
@@ -218,10 +223,13 @@ class _Inputs:
         if module is not None:  # torchax.compile(module): its forward, and weights
             fn = tensors.module_forward(module)
         name = _name(fn)
+        fn, notes = onto_mesh(fn, mesh, name)  # a jit's shardings on other devices
         what = f"jaxshard.verify({name})"
         bound = _bound_inputs(fn, mesh, dims, dtypes, values, what)
         sig, hints = signature(fn)
         traced = {k: v for k, v in bound.items() if _is_input(v)}
+        traced, moved = values_onto_mesh(traced, mesh, name)
+        notes += moved
         static = {k: v for k, v in bound.items() if k not in traced}
         qualname = function_name(inspect.unwrap(getattr(fn, "__func__", fn)))
         if module is None:
@@ -230,7 +238,7 @@ class _Inputs:
             # The weights are inputs too, laid out on `mesh` as they are now.
             traced["self"] = tensors.abstract_weights(module, mesh, what)
             checked = tensors.module_call(module, checked_by_jaxshard(fn.__func__))
-        return cls(name, qualname, checked, traced, static, sig, hints, module)
+        return cls(name, qualname, checked, traced, static, sig, hints, module, notes)
 
     def program(self) -> Callable:
         """The function of the abstract inputs that is compiled: `fn` called with
@@ -274,7 +282,7 @@ def _compiled(inputs: _Inputs, mesh: Mesh) -> tuple:
     op's frames in the user's code, the contracts recorded and what the report must
     say of how it was compiled."""
     program, name = inputs.program(), inputs.name
-    recorder, notes = Recorder(inputs.qualname), ()
+    recorder, notes = Recorder(inputs.qualname), inputs.notes
     try:
         compiled, refused, chains = _compile(
             program, inputs.traced, mesh, recorder, name
@@ -283,7 +291,8 @@ def _compiled(inputs: _Inputs, mesh: Mesh) -> tuple:
         # XLA's TPU compiler, loaded for a topology here, cannot partition the
         # value checks of Auto axes: the program is compiled without them, and the
         # report says so. Contracts, memory and collectives are the program's.
-        recorder, notes = Recorder(inputs.qualname), (_checks_compiled_out(mesh),)
+        recorder = Recorder(inputs.qualname)
+        notes = (*inputs.notes, _checks_compiled_out(mesh))
         with _config.overriding(checks="off"):
             compiled, refused, chains = _compile(
                 program, inputs.traced, mesh, recorder, name
@@ -397,6 +406,8 @@ def _compile(program, traced, mesh, recorder, name: str) -> tuple[Any, str, dict
         except Exception as e:
             if is_sharding_type_error(e):
                 raise ModelError(_sharding_type_error(name, mesh, e)) from e
+            if "Received incompatible devices" in str(e):  # inside the function
+                raise ValueError(incompatible_devices(name, mesh, e)) from e
             if "CustomSPMDPartitioning" in str(e) and _config.current().checks != "off":
                 raise _NoCustomPartitioning from e
             if "RESOURCE_EXHAUSTED" not in str(e):
