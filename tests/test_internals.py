@@ -561,3 +561,25 @@ def test_jax_leaves_registered_files_out_of_its_tracebacks():
     assert not traceback_util.include_filename(os.path.join(package, "_errors.py"))
     assert not traceback_util.include_filename(monitoring)
     assert traceback_util.include_filename(__file__)
+
+
+def test_jax_rebuilds_a_registered_dataclass_from_its_own_modules():
+    """`called_by_jax`: JAX's tree functions call a registered dataclass's
+    `__init__` from jax's own modules; the user's call is the user's."""
+    import dataclasses
+
+    seen = []
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Pair:
+        a: object
+
+        def __init__(self, a):
+            seen.append(internals.called_by_jax())
+            self.a = a
+
+    pair = Pair(1)
+    jax.tree.map(lambda x: x, pair)
+    jax.tree_util.tree_unflatten(jax.tree.structure(pair), [2])
+    assert seen == [False, True, True]

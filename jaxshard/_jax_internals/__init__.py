@@ -54,6 +54,9 @@ Internals still used, and why (none has a public equivalent in these releases):
   (`jax._src.tree_util.FlatTree`, `jax._src.flattree`) and
   `jax._src.interpreters.partial_eval.DynamicJaxprTrace`: a check inside any
   shard_map body leaves it as an extra output (`shard_map_outputs`).
+- JAX's tree functions calling a registered dataclass's `__init__` from its own
+  modules (`called_by_jax`): a class checked by `jaxshard.jaxtyped` is checked when
+  the user makes it, not each time JAX rebuilds it from its leaves.
 - `jax._src.traceback_util.register_exclusion`: jaxshard's frames (and those of
   `jax.monitoring`, which calls the compile listener) left out of the tracebacks JAX
   filters, as flax and equinox leave out theirs.
@@ -111,6 +114,7 @@ _warn_if_untested(jax.__version__)
 # after the version check, so that an untested jax warns before anything can fail.
 from .calls import (  # noqa: E402
     ArrayMeta as ArrayMeta,
+    called_by_jax as called_by_jax,
     bind_dims as bind_dims,
     checked_call as checked_call,
     checked_calls as checked_calls,

@@ -358,3 +358,22 @@ def drop_callback_errors() -> None:
     from jax._src import dispatch
 
     dispatch.runtime_tokens.clear()
+
+
+# --- who calls -----------------------------------------------------------------------
+
+_JAX_FILES = os.path.dirname(jax.__file__) + os.sep
+
+
+def called_by_jax() -> bool:
+    """Whether the caller of the function that asks was called by JAX itself: a
+    registered dataclass's `__init__` that JAX's tree functions call to rebuild it
+    from its leaves (`treedef.unflatten`, called from C by `jax.tree.map`,
+    `jax.tree_util.tree_unflatten`, ... in jax's own modules), not one the user
+    calls; or by `flax.struct`'s unflatten (flax 0.12). The same on jax 0.10.2 to
+    0.12.0.1."""
+    filename = sys._getframe(2).f_code.co_filename
+    return filename.startswith(_JAX_FILES) or filename.endswith(_FLAX_STRUCT)
+
+
+_FLAX_STRUCT = os.path.join("flax", "struct.py")

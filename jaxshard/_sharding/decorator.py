@@ -13,7 +13,7 @@ import jaxtyping
 from jaxtyping import TypeCheckError
 
 from .._errors import hide_frames, ShardingError
-from .._jax_internals import ArrayMeta, jit_parameters
+from .._jax_internals import ArrayMeta, called_by_jax, jit_parameters
 
 
 class _Notes(threading.local):
@@ -128,6 +128,23 @@ def _with_notes(checked, fn):
     return wrapper
 
 
+def _made_by_the_user(checked: Callable, init: Callable) -> Callable:
+    """`__init__`, checked when the user makes an instance, not when JAX rebuilds
+    one from its leaves (`jax.tree.map`, `eval_shape`, jit's shardings and
+    arguments: a `register_dataclass` class is unflattened through `__init__`),
+    whose leaves may be shardings, `ShapeDtypeStruct`s or placeholders."""
+
+    @ft.wraps(init)
+    def __init__(self, *args, **kwargs):
+        __tracebackhide__ = True
+        if called_by_jax() or getattr(__init__, "__no_type_check__", False):
+            return init(self, *args, **kwargs)  # (or `typing.no_type_check` above)
+        return checked(self, *args, **kwargs)
+
+    __init__.__jaxshard_jaxtyped__ = True  # pyright: ignore[reportFunctionMemberAccess]
+    return __init__
+
+
 _sentinel: Any = object()
 
 
@@ -237,7 +254,7 @@ def jaxtyped(fn: Any = _sentinel, *, typechecker: Any = _sentinel) -> Any:
             return fn  # already decorated: one check per call, not two
         out = _jaxtyping_jaxtyped(fn, typechecker)
         if out.__init__ is not init:
-            out.__init__ = _with_notes(out.__init__, init)
+            out.__init__ = _made_by_the_user(_with_notes(out.__init__, init), init)
         return out
     params = jit_parameters(fn)
     if params is not None:  # `@jaxtyped @jax.jit def f`: checked inside the jit

@@ -11,7 +11,7 @@ import jaxtyping
 import pytest
 from helpers import put
 from jax import Array
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxshard
 from jaxshard import Float
@@ -132,3 +132,25 @@ def test_a_union_passes_when_any_arm_holds(mesh):
     )
     with pytest.raises(jaxtyping.TypeCheckError, match="Quantizable.w"):
         jaxshard.check_tree(Quantizable("not a weight"))  # type: ignore[arg-type]
+
+
+@jaxshard.jaxtyped(typechecker=beartype.beartype)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Mlp:
+    w: Float[Array, "d f", P(None, "tp")]
+
+
+def test_a_checked_registered_dataclass_is_checked_when_made_not_rebuilt(mesh):
+    """JAX rebuilds a registered dataclass through its `__init__`, with shardings,
+    `ShapeDtypeStruct`s or tracers as its leaves: checked when the user makes it,
+    not then."""
+    with pytest.raises(jaxshard.ShardingError, match="Mlp"):
+        Mlp(put((8, 4), mesh, P("dp", None)))
+    mlp = Mlp(put((8, 4), mesh, P(None, "tp")))
+    shardings = jax.tree.map(lambda x: x.sharding, mlp)
+    assert isinstance(shardings.w, NamedSharding)
+    assert jax.eval_shape(lambda m: m, mlp).w.shape == (8, 4)
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda m: m, out_shardings=shardings)(mlp)
+    assert out.w.sharding == shardings.w

@@ -212,14 +212,6 @@ class CheckedMlp:
     w_down: Float[Array, "ffw embed", L("ffw_down", "embed_down")]
 
 
-@pytest.mark.xfail(
-    reason="issue 49 point 12: @jaxshard.jaxtyped on a "
-    "jax.tree_util.register_dataclass class checks every unflatten (JAX calls "
-    "__init__): jax.tree.map to shardings, "
-    "jax.eval_shape and jit's out_shardings raise TypeCheckError (jaxtyping's "
-    "jaxtyped does the same)",
-    strict=True,
-)
 def test_a_checked_registered_dataclass_goes_through_jax_tree_functions(llama):
     cfg, weights, _ = llama
     ffw = weights.layers[0].ffw
