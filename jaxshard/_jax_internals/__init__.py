@@ -114,8 +114,8 @@ _warn_if_untested(jax.__version__)
 # after the version check, so that an untested jax warns before anything can fail.
 from .calls import (  # noqa: E402
     ArrayMeta as ArrayMeta,
-    called_by_jax as called_by_jax,
     bind_dims as bind_dims,
+    called_by_jax as called_by_jax,
     checked_call as checked_call,
     checked_calls as checked_calls,
     CheckedCall as CheckedCall,
