@@ -2,8 +2,8 @@
 
 Partition specs in annotations and their compact syntax (`spec`), logical axis names
 and their rule tables (`logical`), the shape an annotation describes for given sizes
-(`dims`), what static type checkers see (`indirection`) and the `jax.Array` behind a
-torchax tensor (`tensors`).
+(`dims`), what static type checkers see (`indirection`), type hints resolved one by
+one (`hints`) and the `jax.Array` behind a torchax tensor (`tensors`).
 
 May import: `jaxshard._errors`, `jaxshard._config`, `jaxshard._jax_internals`; nothing
 else of jaxshard.
