@@ -2,6 +2,7 @@
 their leaves carry (flax linen's boxes, nnx Variables) or against a layout tree (of
 specs, shardings or `ShapeDtypeStruct`s), and `jaxshard.Partitioned`."""
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -18,7 +19,7 @@ from .tree import _check_all, _is_array, Stated
 
 @user_facing
 def check_partitioning(
-    tree: Any, specs: Any = None, *, name: str = "params", rules: Any = None
+    tree: Any, specs: Any = None, *, name: str | None = None, rules: Any = None
 ) -> None:
     """Checks every array of a parameter tree against the partitioning its leaves
     carry, or against a layout tree `specs`.
@@ -51,7 +52,9 @@ def check_partitioning(
     - `tree`: the parameters (boxed flax linen variables, an nnx Module or State, or
         any pytree with `specs`).
     - `specs`: the layout of each leaf, if the tree does not carry it.
-    - `name`: what to call the tree in messages (default `"params"`).
+    - `name`: what to call the tree in messages (default `"params"` for a mapping
+        or list, else its class's name: `TrainState.params[...]`, not
+        `params.params[...]`).
     - `rules`: the axis rules for logical names, as `jaxshard.axis_rules` takes them;
         by default those in force (a flax box's own rules come first).
 
@@ -69,6 +72,9 @@ def check_partitioning(
         jaxshard.check_partitioning(state.params)  # linen boxes: their metadata
         ```
     """
+    if name is None:
+        plain = isinstance(tree, (Mapping, list, tuple))  # an nnx State is a Mapping
+        name = "params" if plain else type(tree).__name__
     with using(rules):
         found = partitioned_leaves(tree, specs, name)
         source = "its metadata" if specs is None else "the layout tree"

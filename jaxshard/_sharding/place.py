@@ -355,6 +355,12 @@ def shardings_of(
     A tree of `NamedSharding`s and `None`s (an nnx Variable or flax box holding
     one, where the tree has one).
     """
+    if isinstance(tree, type):
+        raise TypeError(
+            f"jaxshard.shardings_of takes a value, not the class {tree.__name__}: "
+            "give it an abstract instance, `jax.eval_shape(init, ...)`, whose arrays "
+            "are `ShapeDtypeStruct`s."
+        )
     found, treedef, target = checked_plan(
         tree, mesh, annotation, rules, "jaxshard.shardings_of"
     )

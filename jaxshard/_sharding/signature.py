@@ -11,6 +11,7 @@ must be built one by one, they are an error.
 
 import dataclasses
 import inspect
+import re
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, get_args, get_origin
@@ -25,6 +26,7 @@ from .._errors import AnnotationError, expect, expect_callable, user_facing
 from .._jax_internals import context_mesh
 from .array_types import partition_spec
 from .compare import missing_axes
+from .describe import value_name
 
 
 _union_types = (typing.Union, type(int | str))
@@ -82,10 +84,10 @@ def _uniform(tree: Any, where: str) -> Any:
     if all(leaf == leaves[0] for leaf in leaves):
         return leaves[0] if leaves else None
     raise AnnotationError(
-        f"{where}: the annotation gives different shardings to the leaves of a tree "
-        "whose structure it does not fix. Annotate it with a type that fixes the "
-        "structure (a tuple[...], NamedTuple, dataclass or equinox Module), or give "
-        "its leaves one spec."
+        f"{_said(where)}: the annotation gives different shardings to the leaves "
+        "of a tree whose structure it does not fix. Annotate it with a type that "
+        "fixes the structure (a tuple[...], NamedTuple, dataclass or equinox Module), "
+        "or give its leaves one spec."
     )
 
 
@@ -176,6 +178,18 @@ def _dataclass(cls: type, leaf: Callable[[Any, str], Any], where: str) -> Any:
     return out
 
 
+_INTO = re.compile(r"parameter '(\w+)'(?=[.\[])(.*)$")
+
+
+def _said(where: str) -> str:
+    """`f, parameter 'weights'.layers` as messages say it: `f, field
+    'weights.layers'`."""
+    found = _INTO.search(where)
+    if found is None:
+        return where
+    return where[: found.start()] + value_name(found[1] + found[2])
+
+
 def _tree(annotation: Any, leaf: Callable[[Any, str], Any], where: str) -> Any:
     """`_walk`, where a tree that cannot be built gives one value for the whole tree
     if `leaf` allows tree prefixes, and an error otherwise."""
@@ -184,11 +198,11 @@ def _tree(annotation: Any, leaf: Callable[[Any, str], Any], where: str) -> Any:
     except OpenStructure as e:
         if not _is_prefixable(leaf):
             raise AnnotationError(
-                f"{e.args[0]}: the annotation does not fix the structure of this tree "
-                f"({annotation!r}), so its leaves cannot be built one by one. Annotate "
-                "it with a type that does (a tuple[...], NamedTuple, dataclass or "
-                "equinox Module whose static fields have defaults), or pass the "
-                "value yourself (`values={...}`)."
+                f"{_said(e.args[0])}: the annotation does not fix the structure of "
+                f"this tree ({annotation!r}), so its leaves cannot be built one by "
+                "one. Annotate it with a type that does (a tuple[...], NamedTuple, "
+                "dataclass or equinox Module whose static fields have defaults), or "
+                "pass the value yourself (`values={...}`)."
             ) from None
         found = [leaf(a, where) for a in _array_annotations(annotation)]
         return _uniform(found or [None], where)

@@ -113,6 +113,7 @@ def _worded(reason: str, source: str) -> str:
         return reason
     reason = _THIS_ARRAY.sub("", reason)
     reason = reason.replace(", but the annotation expects", f", where {source} says")
+    reason = reason.replace("The annotation", source[:1].upper() + source[1:])
     return reason.replace("the annotation", source)
 
 

@@ -208,11 +208,11 @@ def test_a_layout_tree_compares_the_mesh_shape_and_dtype():
         jaxshard.check_partitioning(moved, Weights.shardings(mesh))
     message = str(caught.value)
     assert message.startswith(
-        "check_partitioning(params): 7 arrays are not laid out as the layout tree "
-        "says, the first params.embed:"
+        "check_partitioning(Weights): 7 arrays are not laid out as the layout tree "
+        "says, the first Weights.embed:"
     )
     assert (
-        "- params.embed is sharded as P('x', None) on mesh {'x': 2, 'y': 2, 'z': 2} "
+        "- Weights.embed is sharded as P('x', None) on mesh {'x': 2, 'y': 2, 'z': 2} "
         "(Explicit axes) over devices [7,6,5,4,3,2,1,0], where the layout tree says "
         "P('x', None) on mesh {'x': 2, 'y': 2, 'z': 2} (Explicit axes) over devices "
         "[0,1,2,3,4,5,6,7]." in message
@@ -226,9 +226,22 @@ def test_a_layout_tree_compares_the_mesh_shape_and_dtype():
         jaxshard.check_partitioning(weights(mesh), structs)
     assert not isinstance(caught.value, jaxshard.ShardingError)
     assert str(caught.value) == (
-        "check_partitioning(params): params.embed is float32[32,8], where the layout "
+        "check_partitioning(Weights): Weights.embed is float32[32,8], where the layout "
         "tree says bfloat16[32,4]."
     )
+
+
+def test_a_tree_is_named_by_its_class_and_a_class_is_no_tree():
+    mesh = xyz_mesh()
+    with pytest.raises(jaxshard.ShardingError) as caught:
+        jaxshard.check_partitioning(
+            weights(mesh, P(None, ("y", "z"))), Weights.shardings(mesh)
+        )
+    assert str(caught.value).startswith(
+        "check_partitioning(Weights): Weights.layers[1]"
+    )
+    with pytest.raises(TypeError, match="takes a value, not the class Weights"):
+        jaxshard.shardings_of(Weights, mesh)
 
 
 def test_a_layout_tree_leaf_that_states_no_layout():
@@ -239,7 +252,7 @@ def test_a_layout_tree_leaf_that_states_no_layout():
         )
     message = str(caught.value)
     assert message.startswith(
-        "check_partitioning: the layout tree's leaf for params.embed is 'y' (type "
+        "check_partitioning: the layout tree's leaf for Weights.embed is 'y' (type "
         "str), which states no layout."
     )
     assert "third item" not in message

@@ -101,8 +101,10 @@ def test_open_structure_with_different_specs_is_an_error(auto_mesh):
         a: list[tuple[Float[Array, "n", P("dp")], Float[Array, "n", P("tp")]]],
     ): ...
 
-    with pytest.raises(jaxtyping.AnnotationError, match="different shardings"):
+    with pytest.raises(jaxtyping.AnnotationError, match="different shardings") as e:
         jaxshard.shardings(f, auto_mesh)
+    # A path into a parameter is named as one, not as "parameter 'a'[...]".
+    assert str(e.value).startswith("jaxshard.shardings(f), parameter 'a': ")
 
 
 def test_union_of_specs_is_an_error(auto_mesh):
