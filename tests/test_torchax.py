@@ -181,8 +181,10 @@ def scale_jax(x: Float[jax.Array, "b d", P("dp", "tp")]) -> Float[jax.Array, "b 
 def violation(error: Exception) -> str:
     """What a ShardingError says of parameter 'x', without the function's name and
     with the annotation's array type as `T`."""
-    text = str(error)
-    text = text[text.index("parameter 'x'") :].split("\n")[0]
+    # The line in full (the first line names the likely cause in short).
+    lines = str(error).splitlines()[1:]
+    text = next(x for x in lines if x.startswith("- ") and "parameter 'x'" in x)
+    text = text[text.index("parameter 'x'") :]
     return text.replace("[Tensor,", "[T,").replace("[Array,", "[T,")
 
 
@@ -345,7 +347,7 @@ def test_checks_on_torchax_tensors(mesh):
         with pytest.raises(jaxshard.CheckError) as e:
             step(on(mesh, bad, P("dp", "tp")))
     message = str(e.value)
-    assert message.startswith("3 checks failed in test_checks_on_torchax_tensors")
+    assert message.startswith("3 checks failed in f:")
     assert (
         "sum 0.0 not positive" not in message and "first at element [3, 1]" in message
     )
