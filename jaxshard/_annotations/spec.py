@@ -31,6 +31,12 @@ def format_spec(spec: PartitionSpec) -> str:
     return f"P({', '.join(parts)})"
 
 
+def padded(spec: Any, ndim: int) -> PartitionSpec:
+    """`spec` with an entry for each of `ndim` dimensions: `P('dp')` for 3 is
+    `P('dp', None, None)` (a spec's trailing `None`s may be left out)."""
+    return PartitionSpec(*spec, *[None] * (ndim - len(spec)))
+
+
 def fill_unconstrained(
     spec: PartitionSpec, actual: Any, sizes: Mapping[str, int] | None = None
 ) -> PartitionSpec:

@@ -11,12 +11,10 @@ from typing import Any
 
 import jax
 import jax.monitoring
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from .._annotations.hints import type_hints
-from .._annotations.spec import (
-    format_spec,
-)
+from .._annotations.spec import format_spec, padded
 from .._jax_internals import (
     checked_call,
 )
@@ -53,8 +51,7 @@ def describe_array(dtype, shape) -> str:
 def describe_sharding(sharding, ndim: int) -> str:
     """How an array is laid out, as the end of "this array is ..."."""
     if isinstance(sharding, NamedSharding):
-        spec = PartitionSpec(*sharding.spec, *[None] * (ndim - len(sharding.spec)))
-        return f"sharded as {format_spec(spec)}"
+        return f"sharded as {format_spec(padded(sharding.spec, ndim))}"
     devices = sharding.device_set
     if len(devices) == 1:
         return f"on one device ({next(iter(devices))})"

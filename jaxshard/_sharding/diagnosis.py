@@ -22,7 +22,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._annotations.spec import format_spec
+from .._annotations.spec import format_spec, padded
 from .describe import value_name
 from .sites import call_numbers
 
@@ -36,13 +36,8 @@ def _layout(violation: Any) -> tuple[str, str]:
     actual = violation.actual
     ndim = len(violation.site.shape)
     if isinstance(actual, NamedSharding):
-        found = PartitionSpec(*actual.spec, *[None] * (ndim - len(actual.spec)))
-        return format_spec(found), format_spec(violation.site.spec)
+        return format_spec(padded(actual.spec, ndim)), format_spec(violation.site.spec)
     return repr(actual), format_spec(violation.site.spec)
-
-
-def _value(name: str | None) -> str:
-    return value_name(name)
 
 
 def _calls(numbers: dict, site: Any) -> tuple[str, int]:
@@ -114,7 +109,7 @@ def report(violations: list, sites: list, head: str, inputs: list | None = ()) -
     for v in violations:
         function, k = _calls(numbers, v.site)
         n = numbers.get(v.site.calls[-1][1], (1, 1))[1] if v.site.calls else 1
-        items.append(_Item(str(v), _layout(v), function, k, n, _value(v.site.name)))
+        items.append(_Item(str(v), _layout(v), function, k, n, value_name(v.site.name)))
     why = _why(violations[0], sites, numbers)
     notes = list(dict.fromkeys(v.site.note for v in violations if v.site.note))
     if inputs is None and len(items) > 1:
@@ -145,7 +140,7 @@ def report_rows(rows: list, head: str, inputs: list, line: Any) -> str:
         function = m["function"] if m else str(row.function)
         k, n = (int(m["k"]), int(m["n"])) if m and m["k"] else (1, 1)
         layout = (row.actual_spec, format_spec(row.expected))
-        items.append(_Item(line(row), layout, function, k, n, _value(row.name)))
+        items.append(_Item(line(row), layout, function, k, n, value_name(row.name)))
     if not items:
         return "\n".join([head + ":", *budgets])
     return _compose(items, head, inputs, "", budgets)
@@ -259,8 +254,7 @@ def siblings(leaves: Iterable[tuple[str, Any]]) -> list[tuple[str, str, str, int
         if not isinstance(sharding, NamedSharding):
             continue
         shape = tuple(getattr(leaf, "shape", ()))
-        entries = [*sharding.spec, *[None] * (len(shape) - len(sharding.spec))]
-        specs[path] = (format_spec(PartitionSpec(*entries)), shape)
+        specs[path] = (format_spec(padded(sharding.spec, len(shape))), shape)
     groups: dict[tuple, list[str]] = {}
     for path, (_, shape) in specs.items():
         for i, wild in _numbered(path):
@@ -426,8 +420,7 @@ def jit_mismatch(
 
 def _spec(sharding: Any, ndim: int) -> str:
     if isinstance(sharding, NamedSharding):
-        entries = [*sharding.spec, *[None] * (ndim - len(sharding.spec))]
-        return format_spec(PartitionSpec(*entries))
+        return format_spec(padded(sharding.spec, ndim))
     return repr(sharding)
 
 

@@ -9,12 +9,12 @@ from typing import Any, get_args, get_origin
 import jax
 import jaxtyping
 from jax import Array
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from .. import _config
 from .._annotations.hints import type_hints
 from .._annotations.logical import using
-from .._annotations.spec import format_spec
+from .._annotations.spec import format_spec, padded
 from .._errors import ShardingError, TypeCheckError, user_facing
 from .._jax_internals import ArrayMeta
 from .array_types import _MetaShardedArray, Shaped
@@ -160,17 +160,15 @@ def _stated(expected: Stated, value: Any) -> tuple[str, bool]:
         )
     reason = compare(sharding.spec, actual, shape, dtype, sharding.mesh)
     if reason and getattr(actual, "mesh", sharding.mesh) != sharding.mesh:
+        found, said = (
+            format_spec(padded(s.spec, len(shape))) for s in (actual, sharding)
+        )
         return (
-            f"is sharded as {_spec(actual.spec, shape)} on mesh {_on(actual.mesh)}, "
-            f"but the annotation expects {_spec(sharding.spec, shape)} on mesh "
-            f"{_on(sharding.mesh)}",
+            f"is sharded as {found} on mesh {_on(actual.mesh)}, but the annotation "
+            f"expects {said} on mesh {_on(sharding.mesh)}",
             True,
         )
     return reason, bool(reason)
-
-
-def _spec(spec: PartitionSpec, shape: tuple) -> str:
-    return format_spec(PartitionSpec(*spec, *[None] * (len(shape) - len(spec))))
 
 
 def _on(mesh: Any) -> str:

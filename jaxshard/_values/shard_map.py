@@ -12,7 +12,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._annotations.logical import active_rules, using
-from .._annotations.spec import format_spec
+from .._annotations.spec import format_spec, padded
 from .._config import normalise
 from .._errors import AnnotationError, expect, ShardingError
 from .._sharding.array_types import partition_spec
@@ -183,7 +183,9 @@ def _laid_out(what: str, arrays: list[tuple[int, str, Any]], args: tuple) -> tup
                 "annotations, unconstrained dimensions whole) say: reshard it first, "
                 f"e.g. `jax.sharding.reshard(x, {format_spec(spec)})`."
             )
-        if is_explicit(arg) and jax.typeof(arg).sharding.spec != _padded(spec, arg):
+        if is_explicit(arg) and jax.typeof(arg).sharding.spec != padded(
+            spec, len(arg.shape)
+        ):
             concrete = not isinstance(arg, jax.core.Tracer)
             mesh = (arg.sharding if concrete else jax.typeof(arg).sharding).mesh
             args[i] = jax.sharding.reshard(arg, NamedSharding(mesh, spec))
@@ -196,10 +198,6 @@ def _sharded(annotation: Any) -> Any:
         if partition_spec(member) is not None:
             return member
     return annotation
-
-
-def _padded(spec: PartitionSpec, arg: Any) -> PartitionSpec:
-    return PartitionSpec(*spec, *[None] * (len(arg.shape) - len(spec)))
 
 
 def _has_none(tree: Any) -> bool:
