@@ -23,6 +23,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._annotations.spec import format_spec, padded
+from .boxes import unboxed_paths
 from .describe import value_name
 from .sites import call_numbers
 
@@ -315,12 +316,8 @@ def _twins(specs: dict) -> list[tuple[str, str, str, int, str]]:
 
 def paths(tree: Any, root: str) -> list[tuple[str, Any]]:
     """`(path, leaf)` for each array of `tree`, named from `root`."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     # A flax box or nnx Variable holds its array in `.value`: the path ends before.
-    return [
-        ((root + jax.tree_util.keystr(p)).removesuffix(".value"), leaf)
-        for p, leaf in leaves
-    ]
+    return [(root + jax.tree_util.keystr(p), leaf) for p, leaf in unboxed_paths(tree)]
 
 
 def inputs_of(call: tuple | None) -> list[tuple[str, Any]]:
@@ -391,18 +388,18 @@ def jit_mismatch(
             continue
         if actual is not None and not actual.is_equivalent_to(expected, given.ndim):
             wrong.append((path, _spec(expected, given.ndim), _spec(actual, given.ndim)))
-    lines = [
+    shown = [
         f"{path} is {found}, where jax.jit's in_shardings say {spec}"
         for path, spec, found in wrong[:8]
     ]
     n = len(wrong)
-    head = lines[0] if lines else "an argument is laid out otherwise"
-    lines[:1] = [
-        f"{what}: {head}; jit refuses a committed array laid out otherwise than "
+    first = shown[0] if shown else "an argument is laid out otherwise"
+    lines = [
+        f"{what}: {first}; jit refuses a committed array laid out otherwise than "
         f"its in_shardings ({n or 'an'} argument{'s' if n > 1 else ''})"
         + (":" if n > 1 else ".")
     ]
-    lines[1:] = [f"- {line}." for line in lines[1:]]
+    lines += [f"- {line}." for line in shown[1:]]
     if n > 8:
         lines.append(f"- and {n - 8} more.")
     named = {path for path, _, _ in wrong}
@@ -448,6 +445,7 @@ def _given(
         def each(path: Any, sharding: Any, subtree: Any) -> None:
             for sub, leaf in jax.tree_util.tree_flatten_with_path(subtree)[0]:
                 where = name + jax.tree_util.keystr((*path, *sub))
+                # A box's own `.value`, which the in_shardings' tree may reach too.
                 out.append((where.removesuffix(".value"), sharding, leaf))
 
         try:
