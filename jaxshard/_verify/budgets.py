@@ -38,7 +38,7 @@ def layouts(values: Any, shardings: Any, root: str = "") -> dict[str, Any]:
     for (path, leaf), sharding in zip(leaves, flat, strict=True):
         if sharding is None:
             continue
-        out[_name(path, root)] = jax.ShapeDtypeStruct(
+        out[path_name(path, root)] = jax.ShapeDtypeStruct(
             np.shape(leaf), _dtype(leaf), sharding=sharding
         )
     return out
@@ -73,15 +73,16 @@ def input_names(values: Any, argument: str) -> dict[str, str]:
     (`params['w1']`)."""
     jax_paths = jax.tree_util.tree_flatten_with_path(values)[0]
     return {
-        argument + jax.tree_util.keystr(raw): _name(path, "")
+        argument + jax.tree_util.keystr(raw): path_name(path, "")
         for (raw, _), (path, _) in zip(jax_paths, unboxed_paths(values))
     }
 
 
-def _name(path: tuple, root: str) -> str:
+def path_name(path: tuple, root: str = "") -> str:
+    """`params['w1']`: the parameter's name (the first key), then the path into
+    it; or, with a `root`, the path from there (`return['loss']`)."""
     if root:
         return root + jax.tree_util.keystr(path)
-    # The first key is the parameter's name: `params['w1']`.
     first = getattr(path[0], "key", None) if path else None
     return f"{first}{jax.tree_util.keystr(path[1:])}" if first else str(path)
 

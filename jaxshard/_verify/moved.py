@@ -13,6 +13,7 @@ from .._annotations.spec import axes_of, format_spec
 from .._jax_internals import jit_parameters
 from .._sharding.boxes import unboxed_paths
 from .._sharding.describe import describe_devices, describe_mesh
+from .budgets import path_name
 
 
 def onto_mesh(fn: Callable, mesh: Mesh, name: str) -> tuple[Callable, tuple[str, ...]]:
@@ -87,7 +88,7 @@ def values_onto_mesh(
         if not elsewhere(leaf):
             return leaf
         sharding = leaf.sharding
-        where = _path(path)
+        where = path_name(path)
         found.append((where, sharding))
         moved = _moved(sharding, mesh, f"values: {where}", name)
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=moved)
@@ -108,12 +109,6 @@ def values_onto_mesh(
         "PartitionSpec on its own mesh."
     )
     return values, (note,)
-
-
-def _path(path: tuple) -> str:
-    """`params['w1']`: the parameter's name, then the path into it."""
-    first = getattr(path[0], "key", None) if path else None
-    return f"{first}{jax.tree_util.keystr(path[1:])}" if first else str(path)
 
 
 def _elsewhere(leaf: Any, devices: set) -> bool:
