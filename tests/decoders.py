@@ -370,3 +370,40 @@ def make_equinox(mesh, wrong_layer: int | None = None) -> Decoder:
 
     shardings = jax.tree.map(lambda x: x.sharding, state)
     return Decoder(state, tokens(mesh), _jitted(train_step, mesh, shardings), loss)
+
+
+# --- an nnx MLP and a step that returns only its loss ---------------------------------
+
+
+class NnxTwoLayers(nnx.Module):
+    """Two nnx.Linear layers placed by nnx's own partitioning metadata, over "tp"."""
+
+    def __init__(self, rngs: nnx.Rngs, use_bias: bool = False):
+        def init(names):
+            return nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+
+        self.up = nnx.Linear(
+            8, 32, use_bias=use_bias, kernel_init=init((None, "tp")), rngs=rngs
+        )
+        self.down = nnx.Linear(
+            32, 8, use_bias=use_bias, kernel_init=init(("tp", None)), rngs=rngs
+        )
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+@nnx.jit
+def nnx_loss_step(
+    model: NnxTwoLayers, opt: nnx.Optimizer, x: Float[Array, "b d", P("dp", None)]
+) -> Float[Array, "", P()]:
+    """An nnx step that returns only the loss, as NNX steps often do: the
+    optimizer's update is dead code, so its moments and step count are inputs the
+    program never reads."""
+
+    def loss_fn(model):
+        return (model(x) ** 2).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    opt.update(model, grads)
+    return loss

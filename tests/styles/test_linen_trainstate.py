@@ -185,9 +185,10 @@ def test_check_tree_takes_a_train_state(lm):
     jaxshard.check_tree(lm.state)  # no annotated field: nothing to check, no error
 
 
-@pytest.mark.tpu_topology
-def test_the_step_verifies_for_a_v5e_slice(lm, tpu_topology):
-    mesh = tpu_topology("v5e:2x4", {"data": 2, "fsdp": 2, "tensor": 2})
+def abstract_inputs(lm, mesh) -> tuple:
+    """The train state and a batch as verify takes them for `mesh`: abstract,
+    placed as lm1b places them (the state by its logical specs under lm1b's rules,
+    the batch over the data and fsdp axes)."""
     shardings = nn.logical_to_mesh_sharding(lm.state_specs, mesh, LM1B_RULES)
     state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -195,9 +196,17 @@ def test_the_step_verifies_for_a_v5e_slice(lm, tpu_topology):
         shardings,
     )
     data = NamedSharding(mesh, P(("data", "fsdp")))
+    batch = {"inputs": jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=data)}
+    return state, batch
+
+
+@pytest.mark.tpu_topology
+def test_the_step_verifies_for_a_v5e_slice(lm, tpu_topology):
+    mesh = tpu_topology("v5e:2x4", {"data": 2, "fsdp": 2, "tensor": 2})
+    state, batch = abstract_inputs(lm, mesh)
     values = {
         "state": state,
-        "batch": {"inputs": jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=data)},
+        "batch": batch,
         "config": lm.config,
         "learning_rate_fn": lm.args()[3],
         "label_smoothing": 0.0,
@@ -226,14 +235,7 @@ def test_the_step_verifies_with_an_unused_input(lm, tpu_topology):
     from styles import InputTokens, lm1b_schedule, train_step
 
     mesh = tpu_topology("v5e:2x4", {"data": 2, "fsdp": 2, "tensor": 2})
-    shardings = nn.logical_to_mesh_sharding(lm.state_specs, mesh, LM1B_RULES)
-    state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        lm.state,
-        shardings,
-    )
-    data = NamedSharding(mesh, P(("data", "fsdp")))
-    batch = {"inputs": jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=data)}
+    state, batch = abstract_inputs(lm, mesh)
 
     def step(state, batch: dict[str, InputTokens], dropout_rng):
         return train_step(state, batch, lm.config, lm1b_schedule, 0.0, dropout_rng)

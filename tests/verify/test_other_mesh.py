@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from decoders import nnx_loss_step, NnxTwoLayers
 from flax import nnx
 from jax import Array
 from jax.sharding import (
@@ -110,10 +111,10 @@ def test_a_sharding_that_cannot_be_moved_is_a_clear_error(tpu, sharding, why):
 
 def test_values_placed_on_the_cpus_are_moved_onto_verifys_mesh(cpu, tpu):
     with jax.set_mesh(cpu):
-        model = Model(nnx.Rngs(0))
+        model = NnxTwoLayers(nnx.Rngs(0), use_bias=True)
         opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     values = {"model": model, "opt": opt}
-    report = jaxshard.verify(nnx_step, mesh=tpu, dims=DIMS, values=values)
+    report = jaxshard.verify(nnx_loss_step, mesh=tpu, dims=DIMS, values=values)
     assert report.ok
     assert report.inputs["model.up.kernel"].sharding.spec == P(None, "tp")
     assert report.inputs["model.down.kernel"].sharding.spec == P("tp", None)
@@ -150,25 +151,3 @@ def test_a_sharding_made_inside_the_function_on_other_devices_is_a_clear_error(
     assert message.startswith("jaxshard.verify(outer): JAX refused to compile outer")
     assert "because something in it names other devices" in message
     assert "jax.sharding.get_abstract_mesh()" in message
-
-
-class Model(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        def init(names):
-            return nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
-
-        self.up = nnx.Linear(8, 32, kernel_init=init((None, "tp")), rngs=rngs)
-        self.down = nnx.Linear(32, 8, kernel_init=init(("tp", None)), rngs=rngs)
-
-    def __call__(self, x):
-        return self.down(jax.nn.relu(self.up(x)))
-
-
-@nnx.jit
-def nnx_step(model: Model, opt: nnx.Optimizer, x: Float[Array, "b d", P("dp", None)]):
-    def loss_fn(model):
-        return (model(x) ** 2).mean()
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    opt.update(model, grads)
-    return loss

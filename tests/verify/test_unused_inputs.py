@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from decoders import nnx_loss_step, NnxTwoLayers
 from flax import nnx
 from jax import Array
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -127,44 +128,13 @@ def test_the_sharding_budgets_count_only_the_programs_inputs(mesh):
     assert report.ok and set(report.inputs) == {"x", "w"}
 
 
-class Model(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        def init(names):
-            return nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
-
-        self.up = nnx.Linear(
-            8, 32, use_bias=False, kernel_init=init((None, "tp")), rngs=rngs
-        )
-        self.down = nnx.Linear(
-            32, 8, use_bias=False, kernel_init=init(("tp", None)), rngs=rngs
-        )
-
-    def __call__(self, x):
-        return self.down(jax.nn.relu(self.up(x)))
-
-
-@nnx.jit
-def nnx_step(
-    model: Model, opt: nnx.Optimizer, x: Float[Array, "b d", P("dp", None)]
-) -> Float[Array, "", P()]:
-    """An nnx step that returns only the loss: the optimizer's update is dead code,
-    so its moments and step count are inputs the program never reads."""
-
-    def loss_fn(model):
-        return (model(x) ** 2).mean()
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    opt.update(model, grads)
-    return loss
-
-
-def test_an_nnx_step_that_returns_only_the_loss(auto_mesh):
+def test_an_nnx_loss_step_that_returns_only_the_loss(auto_mesh):
     mesh = auto_mesh  # nnx.Linear's matmuls leave Explicit axes' outputs unsaid
     with jax.set_mesh(mesh):
-        model = Model(nnx.Rngs(0))
+        model = NnxTwoLayers(nnx.Rngs(0))
         opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     values = {"model": model, "opt": opt}
-    report = jaxshard.verify(nnx_step, mesh=mesh, dims=DIMS, values=values)
+    report = jaxshard.verify(nnx_loss_step, mesh=mesh, dims=DIMS, values=values)
     assert report.ok
     assert [(r.name, r.ok) for r in report.rows if r.budget is None] == [
         ("x", True),
