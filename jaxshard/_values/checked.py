@@ -12,6 +12,7 @@ from .._annotations import tensors
 from .._errors import expect_callable, hide_frames, ShardingError, user_facing
 from .._jax_internals import in_trace, jit_parameters
 from .._sharding import diagnosis
+from .._sharding.signature import _name
 from .frames import _compiled, recording_into
 from .inputs import with_input_checks
 from .records import _generation, _inside_a_trace, deferred_scopes, Scope
@@ -89,8 +90,7 @@ def checked(fn: Any = None, *, inputs_finite: Any = False) -> Any:
         return ft.partial(checked, inputs_finite=inputs_finite)
     expect_callable("checked", fn)
     named = tensors.compiled_function(fn) or fn  # torchax.compile(f): f
-    # `train_step`, `Model.step`: not `make.<locals>.train_step`.
-    scope = Scope(getattr(named, "__qualname__", repr(named)).split("<locals>.")[-1])
+    scope = Scope(_name(named))  # `train_step`, not `make.<locals>.train_step`
     run = with_input_checks(fn, inputs_finite, scope.name)
     compiled = _compiled(run, scope)
 
