@@ -252,7 +252,7 @@ def dispatch_times() -> dict:
         return program(x)[0]
 
     # What deferred mode keeps between its questions: the rows of the last calls.
-    from jaxshard._values.records import _READ_AFTER
+    from jaxshard._values.flags import _READ_AFTER
 
     kept = collections.deque(maxlen=_READ_AFTER)
 
@@ -262,7 +262,7 @@ def dispatch_times() -> dict:
         return out
 
     # What deferred mode asks once per `_READ_AFTER` calls: whether any failed.
-    from jaxshard._values.records import _any_failed
+    from jaxshard._values.flags import _any_failed
 
     batch = [program(x)[1] for _ in range(_READ_AFTER)]
 
@@ -380,7 +380,7 @@ def main() -> int:
     ]:
         note = f"{extra_us(times, mode, base):+.1f} us over jax.jit"
         row(f"(c) dispatch, {mode}", times, mode, base, target, note=note)
-    from jaxshard._values.records import _READ_AFTER
+    from jaxshard._values.flags import _READ_AFTER
 
     asked = median(times["the question"]) * 1e6 / _READ_AFTER
     notes.append(f"deferred's question per {_READ_AFTER} calls: {asked:.1f} us a call")

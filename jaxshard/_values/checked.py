@@ -13,9 +13,10 @@ from .._errors import expect_callable, hide_frames, ShardingError, user_facing
 from .._jax_internals import in_trace, jit_parameters
 from .._sharding import diagnosis
 from .._sharding.signature import _name
+from .flags import thread
 from .frames import _compiled, recording_into
 from .inputs import with_input_checks
-from .records import _generation, _inside_a_trace, deferred_scopes, Scope
+from .records import _inside_a_trace, Scope, take_deferred
 from .sites import CheckError
 
 
@@ -111,16 +112,7 @@ def checked(fn: Any = None, *, inputs_finite: Any = False) -> Any:
                 return out
             if in_trace():
                 raise _inside_a_trace(scope.name)
-            scope.begin_call(args, kwargs)
-            with recording_into(scope):
-                out = run(*args, **kwargs)
-            if checks == "raise":
-                failures = scope.take_failures(deferred=False)
-                if failures:
-                    raise CheckError(failures, when=f" in {scope.name}")
-            else:
-                deferred_scopes.add(scope)
-            return out
+            return _call(scope, run, checks == "deferred", args, kwargs)
         except ValueError as e:
             if not diagnosis.is_jit_mismatch(e):
                 raise
@@ -148,6 +140,30 @@ def checked(fn: Any = None, *, inputs_finite: Any = False) -> Any:
     return wrapper
 
 
+def _call(scope: Scope, run: Callable, deferred: bool, args, kwargs) -> Any:
+    """A call of a `checked` function that is not a jit: its checks record into
+    Refs of a `Flags` the scope lends (to the call, or in deferred mode to the
+    thread until its flush). A call ending in an exception notes on it the checks
+    it failed before it."""
+    flags = scope.deferred() if deferred else scope.lend()
+    call = flags.begin_call(args, kwargs)
+    try:
+        with recording_into(flags):
+            out = run(*args, **kwargs)
+    except Exception as e:
+        flags.note(e, call, deferred)
+        if not deferred:
+            scope.give_back(flags)
+        raise
+    if deferred:
+        return out
+    failures = flags.take_failures(deferred=False)
+    scope.give_back(flags)
+    if failures:
+        raise CheckError(failures, when=f" in {scope.name}")
+    return out
+
+
 def _jit_mismatch(name: str, fn: Callable, args: tuple, kwargs: dict) -> ShardingError:
     """jit's refusal of an argument laid out otherwise than its in_shardings, as an
     error naming the argument by its path."""
@@ -163,14 +179,12 @@ def _jit_mismatch(name: str, fn: Callable, args: tuple, kwargs: dict) -> Shardin
 
 @user_facing
 def flush_checks() -> None:
-    """Reads the flags of every `checked` function called in deferred mode since the
-    last flush, and raises `jaxshard.CheckError` listing every failure (with the call
-    where each first failed). Call indices start again from 0 afterwards."""
-    failures = []
-    for scope in sorted(deferred_scopes, key=lambda s: s.name):
-        failures += scope.take_failures(deferred=True)
-    deferred_scopes.clear()
-    _generation[0] += 1
+    """Reads the flags of every `checked` function this thread called in deferred
+    mode since its last flush, and raises `jaxshard.CheckError` listing every
+    failure (with the call where each first failed). Call indices start again from 0
+    afterwards. Each thread has its own: a flush reads none of another thread's
+    calls."""
+    failures = take_deferred()
     if failures:
         raise CheckError(failures, when=" (deferred)")
 
@@ -179,10 +193,12 @@ class deferred_checks:
     """`with jaxshard.deferred_checks():` runs `checked` functions in deferred mode
     and flushes when the block ends: failures raise `jaxshard.CheckError` there, each
     with the index of the call (from 0 at the start of the block) where it first
-    failed. An exception leaving the block is not masked."""
+    failed. The block is this thread's: calls from other threads are theirs. An
+    exception leaving the block is not masked: the block's failures become a note
+    on it, and none surfaces later."""
 
     def __enter__(self):
-        _generation[0] += 1
+        thread.generation = object()
         self._config = _config.config(checks="deferred")
         self._config.__enter__()
         return self
@@ -195,4 +211,18 @@ class deferred_checks:
             except CheckError as e:
                 hide_frames(e)  # it ends at the user's `with` block
                 raise
+        elif isinstance(value, Exception):
+            _note_deferred(value)
         return False
+
+
+def _note_deferred(error: Exception) -> None:
+    """Notes on `error`, which left a `deferred_checks()` block, the block's
+    failures (dropped if they cannot be read)."""
+    try:
+        failures = take_deferred()
+    except Exception:  # the device's state is lost with the block's error
+        return
+    if failures:
+        when = " (deferred) in the block before this exception"
+        error.add_note(str(CheckError(failures, when=when)))

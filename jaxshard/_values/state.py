@@ -8,6 +8,7 @@ which run on the host when the flags are read.
 """
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -46,13 +47,25 @@ class State:
     """The state of a group of sites: each row holds a site's statistics and the
     values at its first failure, as int32 words (a float as a float32's bits)."""
 
-    ref: Any
+    held: Any  # the Ref, until `release`
     placement: Any
+    weak: Any = None  # the Ref, after `release`
 
     @classmethod
     def new(cls, words: list[int], placement: Any, make: Callable) -> "State":
         """For sites whose values take `words` int32 words each."""
-        return cls(ref=make(_initial(len(words), max(words))), placement=placement)
+        return cls(held=make(_initial(len(words), max(words))), placement=placement)
+
+    @property
+    def ref(self) -> Any:
+        """The Ref, or `None` once released and no program holds it."""
+        return self.held if self.weak is None else self.weak()
+
+    def release(self) -> None:
+        """From now on the Ref lives only as long as a program holds it (one in
+        JAX's caches, that closed over it when traced)."""
+        if self.weak is None:
+            self.weak, self.held = weakref.ref(self.held), None
 
     def read(self) -> np.ndarray | None:
         """The contents if a site failed (and then clears them)."""

@@ -370,14 +370,20 @@ def test_deferred_mode_and_flush():
 
 
 def test_deferred_block_does_not_mask_errors():
+    """An exception leaving a deferred block is raised as it is, with the block's
+    failures as a note; none of them surfaces at a later flush."""
     step = step_fn()
-    with pytest.raises(ZeroDivisionError):
+    with pytest.raises(ZeroDivisionError) as e:
         with jaxshard.deferred_checks():
+            step(jnp.float32(0))
             step(jnp.float32(9))
             1 / 0
-    jaxshard.flush_checks.__doc__  # the failure stays for the next flush
-    with pytest.raises(jaxshard.CheckError):
-        jaxshard.flush_checks()
+    (note,) = e.value.__notes__
+    assert note.startswith("1 check failed (deferred) in the block before this")
+    assert "too big 9.0" in note and "call 1]" in note
+    jaxshard.flush_checks()  # nothing left
+    with jaxshard.deferred_checks():
+        step(jnp.float32(0))
 
 
 def test_deferred_findings_are_merged_across_calls_and_shapes():
@@ -404,16 +410,16 @@ def test_deferred_reads_only_finished_calls(monkeypatch):
     device has given it, never waiting: only a batch with a failure is read call by
     call (its calls finished by then). Over a long loop, what the function keeps
     unread stays as small as that and the calls in flight."""
-    from jaxshard._values import records
+    from jaxshard._values import flags
 
-    batch = records._READ_AFTER
-    read, ready = records._read, []
+    batch = flags._READ_AFTER
+    read, ready = flags._read, []
 
     def spy(packed):  # whether the device had made the rows: reading did not wait
         ready.append(all(rows is None or rows.is_ready() for rows in packed))
         return read(packed)
 
-    monkeypatch.setattr(records, "_read", spy)
+    monkeypatch.setattr(flags, "_read", spy)
     step = step_fn()
     failing = batch * 2 + batch // 3
     with pytest.raises(jaxshard.CheckError) as e:
@@ -423,7 +429,7 @@ def test_deferred_reads_only_finished_calls(monkeypatch):
                 if i % 10 == 9:
                     out.block_until_ready()
             assert len(ready) <= batch and all(ready)
-            scope = step.scope
+            scope = step.scope.deferred()
             assert len(scope._pending) + batch * len(scope._asked) <= 2 * batch + 10
     ((failure),) = e.value.failures
     assert (failure.message, failure.call, failure.calls) == ("too big 9.0", failing, 1)
@@ -777,7 +783,7 @@ def test_check_finite_splits_replicated_leaves(mesh, spec):
     f = jaxshard.checked(jax.jit(check))
     with jax.set_mesh(mesh):
         f(tree)
-        with _config.overriding(check_scope=f.scope):
+        with _config.overriding(check_scope=f.scope.lend()):
             hlo = jax.jit(check).lower(tree).compile().as_text()
         (found,) = failures(f, placed(bad_w, b))
         with pytest.raises(jaxshard.CheckError, match=r"tree\['b'\] holds NaN"):
