@@ -138,13 +138,14 @@ def soak(session):
     -- N`): jaxshard's verdicts against jaxtyping's (random shape strings) and JAX's
     `is_equivalent_to` (random meshes, placements and specs) on every path: eager,
     `isinstance`, Explicit traces, Auto compiles, `jax.shard_map` and
-    `jaxshard.shard_map`, under scan, checkpoint, vmap and grad."""
+    `jaxshard.shard_map`, under scan, checkpoint, vmap and grad; and value checks
+    called from several threads at once, in deferred blocks and in calls ending in
+    an exception, against what each call made."""
     _install(session, NEWEST[1], "test")
     examples = session.posargs[0] if session.posargs else "10000"
     env = {"JAX_PLATFORMS": "cpu", "JAXSHARD_PROPERTY_EXAMPLES": examples}
-    session.run(
-        "pytest", "-n", _workers(), "tests/sharding/test_properties.py", "-q", env=env
-    )
+    tests = ["tests/sharding/test_properties.py", "tests/values/test_concurrency.py"]
+    session.run("pytest", "-n", _workers(), *tests, "-q", env=env)
 
 
 @nox.session
