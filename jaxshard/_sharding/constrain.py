@@ -124,15 +124,10 @@ def spec_of(annotation: Any) -> tuple[PartitionSpec, Any]:
     if isinstance(annotation, PartitionSpec):
         return annotation, None
     if isinstance(annotation, L):
-        spec = partition_spec(Shaped[Array, "...", annotation])
+        spec = partition_spec(as_annotation(annotation, "jaxshard.constrain"))
         assert spec is not None
         return spec, None
-    if annotation is BY_NAME:
-        raise AnnotationError(
-            "jaxshard.constrain: BY_NAME takes its logical names from a shape "
-            "string; pass an annotation that has one, e.g. "
-            "`Float[Array, 'batch embed', BY_NAME]`, or `jaxshard.L(...)`."
-        )
+    as_annotation(annotation, "jaxshard.constrain")  # not BY_NAME
     is_array = isinstance(annotation, type) and issubclass(
         annotation, jaxtyping.AbstractArray
     )
@@ -152,6 +147,30 @@ def spec_of(annotation: Any) -> tuple[PartitionSpec, Any]:
             "third item: `Float[Array, 'b d', P('dp', None)]`."
         )
     return spec, annotation
+
+
+def as_annotation(annotation: Any, what: str) -> Any:
+    """`annotation`, a bare `P` or `L(...)` made the annotation of one array of any
+    shape and dtype laid out so, `Shaped[Array, "...", spec]` (only its rank is
+    checked): the specs `constrain` takes, for the functions that take a tree's
+    annotation (`what`, as messages name it)."""
+    if isinstance(annotation, (PartitionSpec, L)):
+        return Shaped[Array, "...", annotation]
+    if annotation is BY_NAME:
+        raise AnnotationError(
+            f"{what}: BY_NAME takes its logical names from a shape string; pass an "
+            "annotation that has one, e.g. `Float[Array, 'batch embed', BY_NAME]`, "
+            "or `jaxshard.L(...)`."
+        )
+    return annotation
+
+
+def spec_name(annotation: Any) -> str | None:
+    """What messages call a value whose annotation is a bare `P` or `L(...)`: the
+    spec as written (`None` for any other annotation)."""
+    if isinstance(annotation, PartitionSpec):
+        return format_spec(annotation)
+    return repr(annotation) if isinstance(annotation, L) else None
 
 
 def find_mesh(mesh: Any, values: list, what: str) -> Any:

@@ -29,7 +29,14 @@ from .._errors import ShardingError, TypeCheckError, user_facing
 from .._jax_internals import ArrayMeta
 from .array_types import partition_spec
 from .boxes import is_box, is_variable, unboxed
-from .constrain import find_mesh, laid_out_on, lay_out, unfit
+from .constrain import (
+    as_annotation,
+    find_mesh,
+    laid_out_on,
+    lay_out,
+    spec_name,
+    unfit,
+)
 from .describe import describe_array
 from .partitioning import _annotation, _metadata, _path
 from .signature import _input_spec
@@ -143,6 +150,9 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _name(tree: Any, annotation: Any) -> str:
+    named = spec_name(annotation)
+    if named is not None:
+        return named
     cls = type(tree) if annotation is None else annotation
     if cls in (dict, list, tuple) or not isinstance(cls, type):
         return "tree"
@@ -160,6 +170,16 @@ def checked_plan(
     find_mesh(mesh, [], what) if mesh is not None else None  # its type, first
     name = _name(tree, annotation)
     call = f"{what}({name})"
+    annotation = as_annotation(annotation, what)
+    if _is_array(annotation) and not _is_leaf(tree):
+        n = len(jax.tree.leaves(tree))
+        raise TypeCheckError(
+            f"{call}: `annotation` describes one array, but the value is a "
+            f"{type(tree).__name__} of {n} lea{'f' if n == 1 else 'ves'}, which it "
+            "would leave unplaced. Give the tree's annotation (its class, or "
+            "`dict[str, Float[Array, ...]]` and the like), or place each array by "
+            "itself."
+        )
     with using(rules):
         found, treedef = plan(tree, annotation, name)
     failures = _mismatches(found)
@@ -191,6 +211,11 @@ def checked_plan(
             + "\nChange the annotation's spec (or the axis rules), or the mesh."
         )
     return found, treedef, target
+
+
+def _is_leaf(tree: Any) -> bool:
+    """Whether `tree` is one leaf (an array, or a box or Variable holding one)."""
+    return jax.tree_util.treedef_is_leaf(jax.tree.structure(tree, is_leaf=is_box))
 
 
 def _laid_out_on(f: Planned, target: Any) -> tuple[Any, tuple[int, ...]]:
@@ -276,7 +301,10 @@ def device_put(
 
     - `tree`: the value.
     - `mesh`: the mesh; by default the one in context (`jax.set_mesh`).
-    - `annotation`: the tree's type; by default `type(tree)`.
+    - `annotation`: the tree's type; by default `type(tree)`. For one array, an
+        array annotation, or a bare `PartitionSpec` or `jaxshard.L(...)` as
+        `jaxshard.constrain` takes them (of its shape and dtype, only the rank is
+        checked).
     - `rules`: the axis rules for logical names, as `jaxshard.axis_rules` takes them;
         by default those in force.
 

@@ -20,6 +20,7 @@ from .._jax_internals import ArrayMeta
 from .array_types import _MetaShardedArray, Shaped
 from .boxes import is_variable
 from .compare import compare
+from .constrain import as_annotation, spec_name
 from .describe import describe_array, describe_mesh, describe_sharding, naming
 from .layout import is_array_like
 
@@ -46,7 +47,10 @@ def check_tree(tree: Any, annotation: Any = None, *, name: str | None = None) ->
     **Arguments:**
 
     - `tree`: the value, e.g. an equinox Module.
-    - `annotation`: its type; by default `type(tree)`.
+    - `annotation`: its type; by default `type(tree)`. For one array, an array
+        annotation, or a bare `PartitionSpec` or `jaxshard.L(...)` as
+        `jaxshard.constrain` takes them (of its shape and dtype, only the rank is
+        checked).
     - `name`: what to call it in messages (default: its class's name).
 
     **Raises:**
@@ -62,7 +66,9 @@ def check_tree(tree: Any, annotation: Any = None, *, name: str | None = None) ->
         jaxshard.check_tree(model)  # is model.w still sharded as annotated?
         ```
     """
+    name = spec_name(annotation) if name is None else name
     annotation = type(tree) if annotation is None else annotation
+    annotation = as_annotation(annotation, "jaxshard.check_tree")
     name = getattr(annotation, "__name__", "tree") if name is None else name
     found: list[tuple[str, Any, Any]] = []
     _collect(tree, annotation, name, found)

@@ -83,6 +83,23 @@ def test_named_tuples_dicts_and_an_explicit_annotation(mesh):
         jaxshard.check_tree((wrong,), tuple[Pair], name="args")
 
 
+def test_a_bare_spec_is_one_arrays_annotation(mesh):
+    """As `constrain` takes them: a `P` or `L(...)` checks one array's layout (and
+    only its rank of the rest)."""
+    x = put((8, 4), mesh, P("dp"))
+    jaxshard.check_tree(x, P("dp"))
+    with jaxshard.axis_rules([("batch", "dp")]):
+        jaxshard.check_tree(x, jaxshard.L("batch"))
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jaxshard.check_tree(x, P("tp"))
+    text = str(e.value)
+    assert text.startswith("check_tree(P('tp')): ")
+    assert "is sharded as P('dp', None)" in text
+    assert "but the annotation expects P('tp')" in text
+    with pytest.raises(jaxshard.ShardingError, match="has 3 entries but the array"):
+        jaxshard.check_tree(x, P("dp", None, None))
+
+
 def test_inside_jit(mesh):
     @jax.jit
     def f(model):

@@ -195,6 +195,54 @@ def test_inside_shard_map_each_array_is_a_block_of_the_annotated_one(mesh):
         run(Tree, lambda b: b[:, :3])
 
 
+def test_a_bare_spec_is_one_arrays_annotation(mesh):
+    """As `constrain` takes them: a `P` or `L(...)` lays out one array of any shape
+    and dtype (only its rank is checked), for each function that takes an
+    annotation."""
+    x = jnp.ones((8, 4))
+    for annotation in (P("dp", "tp"), L("embed", "mlp")):
+        placed = jaxshard.device_put(x, mesh, annotation=annotation, rules=RULES)
+        assert spec(placed) == P("dp", "tp")
+        assert placed.sharding.mesh == mesh
+        sharding = jaxshard.shardings_of(x, mesh, annotation=annotation, rules=RULES)
+        assert sharding == NamedSharding(mesh, P("dp", "tp"))
+        abstract = jaxshard.device_put(
+            jax.ShapeDtypeStruct((8, 4), jnp.float32),
+            mesh,
+            annotation=annotation,
+            rules=RULES,
+        )
+        assert abstract.sharding == NamedSharding(mesh, P("dp", "tp"))
+    with jax.set_mesh(mesh):
+        placed = jax.jit(lambda x: jaxshard.device_put(x, annotation=P("dp")))(x)
+    assert spec(placed) == P("dp")
+
+
+def test_a_bare_spec_is_checked_as_an_annotation(mesh):
+    x = jnp.ones((8, 4))
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jaxshard.device_put(x, mesh, annotation=P("dp", "tp", None))
+    assert str(e.value).startswith("jaxshard.device_put(P('dp', 'tp', None)): ")
+    assert "has 3 entries but the array has 2 dimensions" in str(e.value)
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jaxshard.shardings_of(jnp.ones((6, 4)), mesh, annotation=P("dp"))
+    assert "P('dp') splits dimension 0 (of size 6)" in str(e.value)
+    with pytest.raises(jaxshard.AnnotationError, match="jaxshard.device_put: BY_NAME"):
+        jaxshard.device_put(x, mesh, annotation=jaxshard.BY_NAME)
+
+
+def test_one_arrays_annotation_for_a_tree_says_so(mesh):
+    for annotation in (P("dp"), Float[Array, "b d", P("dp")]):
+        with pytest.raises(jaxshard.TypeCheckError) as e:
+            jaxshard.device_put({"w": jnp.ones((8, 4))}, mesh, annotation=annotation)
+        text = str(e.value)
+        assert (
+            "`annotation` describes one array, but the value is a dict of 1 leaf,"
+            in text
+        )
+        assert "Give the tree's annotation" in text
+
+
 def test_no_mesh_says_how_to_give_one():
     with pytest.raises(ValueError, match="needs a mesh"):
         jaxshard.device_put(init(jax.random.key(0)), rules=RULES)
