@@ -33,10 +33,15 @@ class CheckError(Exception):
     """
 
     def __init__(self, failures: list["Failure"], *, when: str = ""):
-        # The inputs' checks (`checked(..., inputs_finite=True)`) first: what failed
-        # at the start of the call is the likely origin of what failed after it.
-        origins = [f for f in failures if f.origin is not None]
-        failures = origins + [f for f in failures if f.origin is None]
+        # The inputs' checks (`checked(..., inputs_finite=True)`) of the first call
+        # where one failed come first: what failed at the start of that call is the
+        # likely origin of what failed after it, in that call and later ones (an
+        # input made non-finite by an earlier call among them).
+        inputs = [f for f in failures if f.origin is not None]
+        first = min((f.call for f in inputs if f.call is not None), default=None)
+        origins = [f for f in inputs if f.call == first]
+        later = [f for f in inputs if f.call != first]
+        failures = origins + [f for f in failures if f.origin is None] + later
         self.failures = failures
         count = len(failures)
         head = f"{count} check{'s' if count > 1 else ''} failed{when}:"
@@ -50,10 +55,12 @@ def _origin_head(origins: list["Failure"], after: int, when: str) -> str:
     the origin, and the failures after them as what may follow from them."""
     names = list(dict.fromkeys(f.origin for f in origins))
     shown = ", ".join(map(repr, names))
+    call = origins[0].call
+    origin = "origin" if call is None else f"origin, call {call}"
     head = (
-        f"the input {shown} was not finite (origin){when}"
+        f"the input {shown} was not finite ({origin}){when}"
         if len(names) == 1
-        else f"the inputs {shown} were not finite (origin){when}"
+        else f"the inputs {shown} were not finite ({origin}){when}"
     )
     if after:
         it = "it" if len(names) == 1 else "them"

@@ -82,9 +82,35 @@ def test_a_function_that_is_not_jitted_and_deferred_mode():
             step(PARAMS, BATCH)
             step(PARAMS, BAD)
     assert str(e.value).startswith(
-        "the input 'batch' was not finite (origin) (deferred)"
+        "the input 'batch' was not finite (origin, call 1) (deferred)"
     )
     assert e.value.failures[0].call == 1
+
+
+@pytest.mark.parametrize("jitted", [True, False])
+def test_deferred_the_origin_is_the_first_calls_input(jitted):
+    """An input made non-finite at call 2 makes the state non-finite from call 3 on:
+    the origin is the input of call 2, and the state's failure later follows it."""
+
+    @jax.jit
+    def update(w, s):
+        y = w * s
+        jaxshard.check(jnp.isfinite(y).all(), "y is {y}", y=y.sum())
+        return w + s
+
+    step = jaxshard.checked(
+        update if jitted else lambda w, s: update(w, s), inputs_finite=True
+    )
+    w, s = jnp.ones(3), jnp.ones(3)
+    with pytest.raises(jaxshard.CheckError) as e:
+        with jaxshard.deferred_checks():
+            for i in range(4):
+                w = step(w, s.at[0].set(jnp.nan) if i == 2 else s)
+    head = str(e.value).splitlines()[0]
+    assert head.startswith("the input 's' was not finite (origin, call 2) (deferred)")
+    assert head.endswith("2 checks after it failed and may follow from it:")
+    found = [(f.origin, f.call) for f in e.value.failures]
+    assert found == [("s", 2), (None, 2), ("w", 3)]
 
 
 def test_a_misnamed_input():
