@@ -30,7 +30,7 @@ from .._jax_internals import ArrayMeta, context_mesh
 from .array_types import partition_spec, Shaped
 from .compare import invalid
 from .describe import describe_array, describe_mesh
-from .layout import spec_global_shape
+from .layout import block_mismatch, spec_global_shape
 from .signature import expect_mesh
 
 
@@ -48,7 +48,9 @@ def constrain(x: Any, annotation: Any, *, mesh: Any = None, rules: Any = None) -
     layout they have (on Auto axes, XLA chooses it). Inside a `shard_map` body the
     value is one block of the global array the annotation describes (its shape is
     checked as the global one): the axes the body is manual over are shard_map's
-    and stay as its specs have them; the others are laid out as above.
+    and stay as its specs have them (a block that differs across one the spec says
+    is replicated is a `ShardingError`, as for a `jaxtyped` parameter); the others
+    are laid out as above.
 
     **Arguments:**
 
@@ -71,7 +73,8 @@ def constrain(x: Any, annotation: Any, *, mesh: Any = None, rules: Any = None) -
 
     `jaxtyping.TypeCheckError` if `x`'s shape or dtype does not match the
     annotation; `jaxshard.ShardingError` if the spec cannot lay it out on the mesh
-    (an axis the mesh lacks, a dimension the axes do not divide).
+    (an axis the mesh lacks, a dimension the axes do not divide, a `shard_map`
+    block that differs across an axis the spec says is replicated).
 
     !!! Example
 
@@ -103,7 +106,22 @@ def constrain(x: Any, annotation: Any, *, mesh: Any = None, rules: Any = None) -
             f"annotated: {reason}. Change the annotation's spec (or the rules), or "
             "the mesh."
         )
+    with using(rules):
+        reason = block_mismatch(
+            value, spec, as_annotation(annotation, "jaxshard.constrain")
+        )
+    if reason:
+        raise ShardingError(f"jaxshard.constrain: {reason} {BLOCK_FIX}")
     return lay_out(value, spec, target)
+
+
+# What to do about a `block_mismatch`, for the functions that lay values out.
+BLOCK_FIX = (
+    "Inside shard_map the axes the body is manual over are shard_map's, not "
+    "laid out again: name them in the annotation's spec where the array is split "
+    "over them, or make the block the same on each of their devices first (e.g. "
+    "`jax.lax.psum` or `jax.lax.all_gather` over them)."
+)
 
 
 def laid_out_on(spec: PartitionSpec, value: Any, target: Any) -> tuple[Any, tuple]:

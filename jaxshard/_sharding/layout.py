@@ -236,14 +236,9 @@ def _check_manual(spec: PartitionSpec, aval, mesh, batched: bool) -> str:
             f"the annotation's spec {format_spec(spec)} has {len(spec)} entries but "
             f"the array has {len(aval.shape)} dimensions",
         )
-    extra = sorted(_unexplained(spec, aval, mesh))
-    if extra and not batched and PartitionSpec.UNCONSTRAINED not in tuple(spec):
-        return (
-            f"this block ({aval.str_short()}) differs across the shard_map mesh "
-            f"axes {', '.join(map(repr, extra))}, but the annotation's spec "
-            f"{format_spec(spec)} says the array is replicated over them (mesh "
-            f"{describe_mesh(mesh)})."
-        )
+    reason = _varies_unsaid(spec, aval, mesh, batched)
+    if reason:
+        return reason
     types = dict(zip(mesh.axis_names, mesh.axis_types))
     if AxisType.Explicit in types.values() and AxisType.Auto not in types.values():
         # A partly manual shard_map: the other axes are still in the type.
@@ -259,6 +254,36 @@ def _check_manual(spec: PartitionSpec, aval, mesh, batched: bool) -> str:
         if reason:
             return phrase(aval.str_short(), reason)
     return ""
+
+
+def _varies_unsaid(spec: PartitionSpec, aval, mesh, batched: bool) -> str:
+    """Why a `shard_map` block is not one of the global array `spec` describes: it
+    differs across manual axes that `spec` says the array is replicated over; ""
+    if not."""
+    extra = sorted(_unexplained(spec, aval, mesh))
+    if not extra or batched or PartitionSpec.UNCONSTRAINED in tuple(spec):
+        return ""
+    return (
+        f"this block ({aval.str_short()}) differs across the shard_map mesh "
+        f"axes {', '.join(map(repr, extra))}, but the annotation's spec "
+        f"{format_spec(spec)} says the array is replicated over them (mesh "
+        f"{describe_mesh(mesh)})."
+    )
+
+
+def block_mismatch(x: Any, spec: PartitionSpec, annotation: Any = None) -> str:
+    """Inside a `shard_map` body, why the block `x` is not one of the global array
+    `spec` describes over the axes the body is manual over, which `constrain` and
+    `device_put` leave as they are: the check of a `jaxtyped` parameter's block,
+    less the other axes, which they lay out. "" if it is, or outside a body.
+    `annotation` (if any) says how the rules resolved a logical spec."""
+    if not isinstance(x, jax.core.Tracer):
+        return ""
+    aval = jax.typeof(x)
+    mesh = aval.sharding.mesh
+    if mesh.empty or AxisType.Manual not in mesh.axis_types:
+        return ""
+    return _with_rules(_varies_unsaid(spec, aval, mesh, is_batched(x)), annotation)
 
 
 def _unexplained(spec: PartitionSpec, aval, mesh) -> set[str]:

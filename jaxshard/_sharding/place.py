@@ -31,6 +31,7 @@ from .array_types import partition_spec
 from .boxes import is_box, is_variable, unboxed
 from .constrain import (
     as_annotation,
+    BLOCK_FIX,
     find_mesh,
     laid_out_on,
     lay_out,
@@ -38,6 +39,7 @@ from .constrain import (
     unfit,
 )
 from .describe import describe_array
+from .layout import block_mismatch
 from .partitioning import _annotation, _metadata, _path
 from .signature import _input_spec
 from .tree import _fits, _is_array
@@ -199,6 +201,13 @@ def checked_plan(
     target = None
     if placed:
         target = find_mesh(mesh, [f.value for f in placed], what)
+    _check_placeable(placed, target, rules, call)
+    return found, treedef, target
+
+
+def _check_placeable(placed: list[Planned], target: Any, rules: Any, call: str):
+    """Raises unless each of `placed` can be laid out as its spec says on `target`
+    (inside a shard_map body, each a block of the array its spec describes)."""
     failures = [
         (f.where, _array(f.value), reason)
         for f in placed
@@ -210,7 +219,24 @@ def checked_plan(
             + "\n".join(f"- {w} ({a}): {r}" for w, a, r in failures)
             + "\nChange the annotation's spec (or the axis rules), or the mesh."
         )
-    return found, treedef, target
+    with using(rules):
+        blocks = [
+            (f.where, reason)
+            for f in placed
+            if (reason := block_mismatch(f.value, f.spec, f.annotation))
+        ]
+    if blocks:
+        head = (
+            f"{blocks[0][0]} is not a block of its annotated layout"
+            if len(blocks) == 1
+            else f"{len(blocks)} arrays are not blocks of their annotated layouts, "
+            f"the first {blocks[0][0]}"
+        )
+        raise ShardingError(
+            f"{call}: {head}:\n"
+            + "\n".join(f"- {w}: {r}" for w, r in blocks)
+            + f"\n{BLOCK_FIX}"
+        )
 
 
 def _is_leaf(tree: Any) -> bool:
@@ -294,8 +320,9 @@ def device_put(
         `sharding` set, for `jaxshard.verify`'s `values=` or `jax.jit(...).lower`;
     - inside a `shard_map` body, as `jaxshard.constrain` does: each array is one
         block of the global array its annotation describes (its shape is checked
-        as the global one), the axes the body is manual over stay shard_map's, and
-        the others are laid out.
+        as the global one), the axes the body is manual over stay shard_map's (a
+        block that differs across one its spec says is replicated is an error, as
+        for a `jaxtyped` parameter), and the others are laid out.
 
     **Arguments:**
 

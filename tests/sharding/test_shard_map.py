@@ -116,6 +116,56 @@ def test_block_varying_over_an_axis_the_spec_does_not_name(mesh):
         )(x)
 
 
+@pytest.mark.parametrize("shard_map", [jax.shard_map, jaxshard.shard_map])
+def test_constrain_and_device_put_check_the_block_as_a_parameter(mesh, shard_map):
+    """A block that varies over a manual axis its annotation says is replicated:
+    `constrain` and `device_put` give the verdict a jaxtyped parameter gives, in the
+    same words, and say what to do."""
+    Whole = Float[Array, "b d", P(None)]
+
+    @jaxshard.jaxtyped(typechecker=beartype.beartype)
+    def parameter(b: Whole):
+        return b
+
+    bodies = {
+        "parameter": parameter,
+        "constrain": lambda b: jaxshard.constrain(b, Whole),
+        "spec": lambda b: jaxshard.constrain(b, P(None)),
+        "device_put": lambda b: jaxshard.device_put(b, annotation=Whole),
+        "tree": lambda b: jaxshard.device_put({"w": b}, annotation=dict[str, Whole]),
+    }
+    x = put((64, 8), mesh, P("dp"))
+    said = "this block (float32[16,8]{V:dp}) differs across the shard_map mesh axes "
+    said += "'dp', but the annotation's spec P(None) says the array is replicated "
+    said += "over them (mesh {'dp': 4, 'tp': 2} (Manual axes))."
+    for name, body in bodies.items():
+        with jax.set_mesh(mesh), pytest.raises(jaxshard.ShardingError) as e:
+            shard_map(body, in_specs=P("dp"), out_specs=P("dp"))(x)
+        text = str(e.value)
+        assert said in text, name
+        if name in ("constrain", "spec"):
+            assert text.startswith(f"jaxshard.constrain: {said} Inside shard_map ")
+        if name == "tree":
+            assert text.startswith(
+                "jaxshard.device_put(tree): tree['w'] is not a block of its "
+                f"annotated layout:\n- tree['w']: {said}\n"
+            )
+        if name != "parameter":
+            assert "name them in the annotation's spec" in text
+            assert "`jax.lax.psum` or `jax.lax.all_gather`" in text
+    # Blocks of the annotated array pass, and the same after a psum over dp.
+    with jax.set_mesh(mesh):
+        for body in bodies.values():
+            shard_map(
+                lambda b: body(jax.lax.psum(b, "dp")), in_specs=P("dp"), out_specs=P()
+            )(x)
+        shard_map(
+            lambda b: jaxshard.constrain(b, P("dp")),
+            in_specs=P("dp"),
+            out_specs=P("dp"),
+        )(x)
+
+
 def test_partial_manual_axes(explicit_mesh):
     """With `axis_names={"dp"}`, tp stays Explicit inside and is checked from types."""
     mesh = explicit_mesh
