@@ -17,6 +17,7 @@ from html import escape
 from importlib import resources
 from typing import Any
 
+from .files import write_text
 from .html_text import AXIS_COLORS, human
 
 
@@ -90,11 +91,8 @@ def summary(data: dict) -> str:
 
 
 def write(text: str, path: str | os.PathLike) -> None:
-    path = os.fspath(path)
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    """Writes the page `text` to `path`, whole or not at all (`files`)."""
+    write_text(path, text)
 
 
 def _asset(name: str) -> str:

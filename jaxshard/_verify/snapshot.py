@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from .._annotations.spec import format_spec, sharded_type
 from .._sharding.describe import describe_bytes, describe_devices, describe_sharding
+from .files import write_text
 from .view import view
 
 
@@ -76,12 +77,8 @@ def dumps(data: dict) -> str:
 
 
 def save(report: Any, path: str | os.PathLike) -> None:
-    path = os.fspath(path)
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    text = dumps(snapshot(report))
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    """Writes the report's snapshot to `path`, whole or not at all (`files`)."""
+    write_text(path, dumps(snapshot(report)))
 
 
 def load(path: str | os.PathLike, what: str = "jaxshard.verify") -> dict:
