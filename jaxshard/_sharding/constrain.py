@@ -45,7 +45,8 @@ def constrain(x: Any, annotation: Any, *, mesh: Any = None, rules: Any = None) -
     value's type already has, it is `jax.sharding.reshard`: the value's type
     changes to the annotation's layout. On a mesh of both kinds, each for its own
     axes. Eagerly it is `jax.device_put`. `P.UNCONSTRAINED` dimensions keep the
-    layout they have (on Auto axes, XLA chooses it). Inside a `shard_map` body the
+    layout they have (on Auto axes, XLA chooses it; eagerly onto another mesh, its
+    axes must be that mesh's too). Inside a `shard_map` body the
     value is one block of the global array the annotation describes (its shape is
     checked as the global one): the axes the body is manual over are shard_map's
     and stay as its specs have them (a block that differs across one the spec says
@@ -98,6 +99,14 @@ def constrain(x: Any, annotation: Any, *, mesh: Any = None, rules: Any = None) -
                 "annotated shape and dtype, or use the annotation this value has."
             )
     target = find_mesh(mesh, [value], "jaxshard.constrain")
+    annotation = as_annotation(annotation, "jaxshard.constrain")
+    target = _check_fits(value, spec, target, annotation, rules)
+    return lay_out(value, spec, target)
+
+
+def _check_fits(value: Any, spec: PartitionSpec, target: Any, annotation, rules):
+    """Raises unless `spec` can lay `value` out on `target`; returns the mesh it is
+    laid out on (inside a shard_map body, the body's)."""
     target, shape = laid_out_on(spec, value, target)
     reason = unfit(spec, target, shape)
     if reason:
@@ -106,13 +115,58 @@ def constrain(x: Any, annotation: Any, *, mesh: Any = None, rules: Any = None) -
             f"annotated: {reason}. Change the annotation's spec (or the rules), or "
             "the mesh."
         )
-    with using(rules):
-        reason = block_mismatch(
-            value, spec, as_annotation(annotation, "jaxshard.constrain")
+    reason = _not_kept(value, spec, target)
+    if reason:
+        whole = PartitionSpec(
+            *(None if e is PartitionSpec.UNCONSTRAINED else e for e in spec)
         )
+        raise ShardingError(
+            f"jaxshard.constrain: {reason}. Say how to lay those dimensions out on "
+            f"this mesh (a spec naming its axes, or {format_spec(whole)} to "
+            "replicate them), or constrain the value on the mesh it is on."
+        )
+    with using(rules):
+        reason = block_mismatch(value, spec, annotation)
     if reason:
         raise ShardingError(f"jaxshard.constrain: {reason} {BLOCK_FIX}")
-    return lay_out(value, spec, target)
+    return target
+
+
+def _not_kept(value: Any, spec: PartitionSpec, mesh: Any) -> str:
+    """Eagerly, why the `P.UNCONSTRAINED` dimensions of `spec` cannot keep the
+    layout the array `value` has once it is on `mesh`, another mesh ("" if they
+    can): an axis of that layout `mesh` lacks, or one that splits a dimension
+    unevenly there."""
+    sharding = getattr(value, "sharding", None)
+    loose = [i for i, e in enumerate(spec) if e is PartitionSpec.UNCONSTRAINED]
+    if (
+        not loose
+        or isinstance(value, jax.core.Tracer)
+        or not isinstance(sharding, NamedSharding)
+    ):
+        return ""
+    kept = fill_unconstrained(spec, sharding.spec, mesh.shape)
+    has = (
+        f"P.UNCONSTRAINED keeps the layout the value ({_array(value)}) has, "
+        f"{format_spec(sharding.spec)} on mesh {describe_mesh(sharding.mesh)}"
+    )
+    missing = [(i, a) for i in loose for a in axes_of(kept[i]) if a not in mesh.shape]
+    if missing:
+        axes = sorted({a for _, a in missing})
+        dims = sorted({i for i, _ in missing})
+        return (
+            f"mesh {describe_mesh(mesh)} has no axis {', '.join(map(repr, axes))} "
+            f"(its axes are {', '.join(map(repr, mesh.axis_names))}), which the "
+            f"annotation's spec {format_spec(spec)} keeps in dimension"
+            f"{'s' * (len(dims) > 1)} {', '.join(map(str, dims))}: {has}"
+        )
+    reason = unfit(kept, mesh, tuple(value.shape))
+    if not reason:
+        return ""
+    return (
+        f"the annotation's spec {format_spec(spec)} is {format_spec(kept)} for this "
+        f"value, and {reason}: {has}"
+    )
 
 
 # What to do about a `block_mismatch`, for the functions that lay values out.

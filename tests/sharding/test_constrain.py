@@ -77,6 +77,42 @@ def test_unconstrained_keeps_the_layout(explicit_mesh):
     assert spec(out) == P("dp", "tp")
 
 
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+def test_unconstrained_onto_a_mesh_without_the_values_axis(kind):
+    """Eagerly onto another mesh: an unconstrained dimension keeps the value's
+    layout, whose axis that mesh may lack (JAX's own error was a ValueError)."""
+    on_dp = jax.make_mesh((8,), ("dp",), axis_types=(kind,))
+    xy = jax.make_mesh((4, 2), ("x", "y"), axis_types=(kind, kind))
+    x = jax.device_put(jnp.ones((64, 8)), NamedSharding(on_dp, P("dp")))
+    Loose = Float[Array, "b d", P(P.UNCONSTRAINED, "y")]
+    for run in (
+        lambda: jaxshard.constrain(x, Loose, mesh=xy),
+        lambda: jaxshard.constrain(x, P(P.UNCONSTRAINED, "y"), mesh=xy),
+    ):
+        with jax.set_mesh(xy), pytest.raises(jaxshard.ShardingError) as e:
+            run()
+        text = str(e.value)
+        assert text.startswith(
+            f"jaxshard.constrain: mesh {{'x': 4, 'y': 2}} ({kind.name} axes) has no "
+            "axis 'dp' (its axes are 'x', 'y'), which the annotation's spec "
+            "P(P.UNCONSTRAINED, 'y') keeps in dimension 0: P.UNCONSTRAINED keeps "
+            "the layout the value (float32[64,8]) has, P('dp') on mesh {'dp': 8}"
+        )
+        assert "P(None, 'y') to replicate them" in text
+        assert "or constrain the value on the mesh it is on." in text
+    three = jax.sharding.Mesh(jax.devices()[:3], ("dp",), axis_types=(kind,))
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jaxshard.constrain(x, P(P.UNCONSTRAINED), mesh=three)
+    assert str(e.value).startswith(
+        "jaxshard.constrain: the annotation's spec P(P.UNCONSTRAINED) is P('dp') for "
+        "this value, and P('dp') splits dimension 0 (of size 64) over 'dp' (3 "
+        "devices)"
+    )
+    # Where the mesh has the axis it is kept; where it names the dimension, laid out.
+    assert spec(jaxshard.constrain(x, P(P.UNCONSTRAINED), mesh=on_dp)) == P("dp")
+    assert spec(jaxshard.constrain(x, P("x", "y"), mesh=xy)) == P("x", "y")
+
+
 def test_wrong_shape_or_dtype_is_a_type_check_error(auto_mesh):
     with jax.set_mesh(auto_mesh), jaxshard.axis_rules(RULES):
         with pytest.raises(jaxshard.TypeCheckError) as e:
