@@ -117,6 +117,8 @@ def _inputs(args: argparse.Namespace) -> dict[str, Any]:
     axes = _mesh_axes(args.mesh)
     dims = _dims(args.dim)
     dtypes = _dtypes(args.dtype)
+    budget = _budget(args.max_collectives)
+    _check_options(args, budget)  # and read --against, before the model is imported
     if args.topology is None:
         import math
 
@@ -126,8 +128,6 @@ def _inputs(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--devices is for CPU meshes; it conflicts with --topology")
     fn = _load(args.function)
     values = _values(args.values)
-    budget = _budget(args.max_collectives)
-    _check_options(args, budget)
     mesh = _make_mesh(axes, args.topology, args.axis_types)
 
     if stray := stray_dims(fn, dims):

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from .._annotations.spec import format_spec, sharded_type
 from .._sharding.describe import describe_bytes, describe_devices, describe_sharding
+from . import schema
 from .files import write_text
 from .view import view
 
@@ -93,18 +94,24 @@ def load(path: str | os.PathLike, what: str = "jaxshard.verify") -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    # ValueError: a number of more than 4300 digits; RecursionError: [[[[...]]]]
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ValueError(f"{what}: cannot read the snapshot {path}: {e}") from None
     if not isinstance(data, dict) or "jaxshard_snapshot" not in data:
         raise ValueError(
             f"{what}: {path} is not a jaxshard snapshot (one written by "
             "`report.save(path)` or `--snapshot PATH`)."
         )
-    if data["jaxshard_snapshot"] != FORMAT:
+    found = data["jaxshard_snapshot"]
+    if type(found) is not int or found != FORMAT:  # `true` is no format
         raise ValueError(
-            f"{what}: the snapshot {path} has format {data['jaxshard_snapshot']!r}; "
-            f"this jaxshard reads format {FORMAT}. Write it again with "
-            "`report.save(path)`."
+            f"{what}: the snapshot {path} has format {json.dumps(found)[:20]}; this "
+            f"jaxshard reads format {FORMAT}. Write it again with `report.save(path)`."
+        )
+    if wrong := schema.problem(data):
+        raise ValueError(
+            f"{what}: the snapshot {path} is malformed: {wrong}. Write it again from "
+            "a report: `report.save(path)` (or `--snapshot PATH` on the command line)."
         )
     return data
 
