@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from .._annotations.logical import using
 from .._annotations.spec import format_spec
@@ -29,8 +29,10 @@ class ArrayRow:
 
     - `path`: where it is in the tree, `"Model.blocks[0].up"`.
     - `shape`, `dtype`: its global shape and dtype.
-    - `spec`: how it is laid out, `"P('fsdp', 'tp')"`; `"one device"`, or
-        `"unplaced"` for an abstract array that nothing places.
+    - `spec`: how it is laid out, `"P('fsdp', 'tp')"`; `"one device"`;
+        `"unplaced"` for an abstract array that nothing places; or `"unknown"` for
+        a value traced inside `jit` on Auto axes that nothing annotates (XLA
+        chooses its layout when it compiles). Those last two count whole.
     - `bytes_total`: its size, all of it.
     - `bytes_per_device`: what one device holds of it (its shard).
     - `bytes_replicated`: what each device holds of it beyond an even share of its
@@ -58,14 +60,19 @@ class ArrayRow:
         }
 
 
+# The sharding of a value whose layout is not known while tracing (see `_own`).
+UNKNOWN = "unknown"
+
+
 def array_row(path: str, shape: tuple, dtype: Any, sharding: Any) -> ArrayRow:
     """The row of an array of `shape` and `dtype` laid out by `sharding` (`None`:
-    not placed)."""
+    not placed; `UNKNOWN`: not known)."""
     shape = tuple(int(d) for d in shape)
     itemsize = getattr(dtype, "itemsize", None) or np.dtype(dtype).itemsize
     total = int(np.prod(shape, dtype=np.int64)) * itemsize
-    if sharding is None:
-        return ArrayRow(path, shape, str(dtype), "unplaced", total, total, 0)
+    if sharding is None or sharding is UNKNOWN:
+        said = "unplaced" if sharding is None else UNKNOWN
+        return ArrayRow(path, shape, str(dtype), said, total, total, 0)
     local = sharding.shard_shape(shape)
     per_device = int(np.prod(local, dtype=np.int64)) * itemsize
     devices = _devices(sharding)
@@ -169,6 +176,12 @@ class Summary:
             f"{describe_bytes(self.bytes_replicated)} beyond an even share "
             "(replicated)."
         )
+        if any(r.spec == UNKNOWN for r in self.rows):
+            lines.append(
+                "unknown: layout not known while tracing (inside jit on Auto axes, "
+                "XLA chooses it when it compiles), counted whole; annotate the "
+                "array, or summarise outside jit."
+            )
         return "\n".join(lines)
 
 
@@ -181,14 +194,20 @@ def summary(tree: Any, mesh: Any = None, *, rules: Any = None) -> Summary:
     memory, as flax's `tabulate` shows parameter counts. It takes concrete trees
     (each array's own sharding) and abstract ones (`jax.eval_shape(init, ...)`): an
     abstract array without a sharding is shown as its annotation (or nnx Variable's
-    metadata) would place it on `mesh`, as `jaxshard.device_put` reads them.
+    metadata) would place it on `mesh`, as `jaxshard.device_put` reads them, and so
+    is one `jax.eval_shape` gives a sharding on an abstract mesh (the layout its
+    function makes it with, before anything places it). Inside `jax.jit` a value
+    on Explicit axes is shown as its type says; one on Auto axes, whose layout XLA
+    chooses when it compiles, as its annotation would place it, else as
+    `"unknown"`.
 
     **Arguments:**
 
     - `tree`: any pytree: a Module, a dataclass, a dict of parameters, an optimizer
         state.
     - `mesh`: the mesh for abstract arrays without a sharding; by default the one in
-        context (`jax.set_mesh`). Without one, they are shown unplaced.
+        context (`jax.set_mesh`), else the abstract mesh of the traced values.
+        Without one, they are shown unplaced.
     - `rules`: the axis rules for logical names; by default those in force.
 
     **Returns:**
@@ -206,13 +225,16 @@ def summary(tree: Any, mesh: Any = None, *, rules: Any = None) -> Summary:
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
     values = [unboxed(leaf) for _, leaf in leaves]
     arrays = [hasattr(v, "shape") and hasattr(v, "dtype") for v in values]
-    shardings = [_sharding_of(v) if a else None for v, a in zip(values, arrays)]
+    own = [_own(v) if a else (None, False) for v, a in zip(values, arrays)]
+    shardings = [sharding for sharding, _ in own]
     target = mesh if mesh is not None else context_mesh()
-    if target is not None and any(a and s is None for a, s in zip(arrays, shardings)):
+    target = _traced_mesh(values, own) if target is None else target
+    pending = [a and p for a, (_, p) in zip(arrays, own)]
+    if target is not None and any(pending):
         with using(rules):
             found = plan(tree, None, name)[0]
         for i, f in enumerate(found):
-            if arrays[i] and shardings[i] is None and f.spec is not None:
+            if pending[i] and f.spec is not None:
                 shardings[i] = NamedSharding(target, _input_spec(f.spec))
     rows = [
         array_row(_path(name, path), values[i].shape, values[i].dtype, shardings[i])
@@ -225,8 +247,36 @@ def summary(tree: Any, mesh: Any = None, *, rules: Any = None) -> Summary:
     return Summary(largest_first(rows), name, target)
 
 
-def _sharding_of(value: Any) -> Any:
+def _own(value: Any) -> tuple[Any, bool]:
+    """The sharding `value` has (`None` if none, `UNKNOWN` if it is not known
+    while tracing), and whether its layout is still open, so that its annotation's
+    is shown where it states one (as `shardings_of` reads it): an abstract array
+    without a sharding, one `jax.eval_shape` gives a sharding on an abstract mesh
+    (the layout its function makes it with, before anything places it), and a
+    value traced on Auto axes (whose type says nothing of them: XLA chooses its
+    layout when it compiles)."""
     if isinstance(value, jax.core.Tracer):
         sharding = jax.typeof(value).sharding
-        return sharding if not sharding.mesh.empty else None
-    return getattr(value, "sharding", None)
+        if sharding.mesh.empty:
+            return None, True
+        if AxisType.Auto in sharding.mesh.axis_types:
+            return UNKNOWN, True
+        return sharding, False  # Explicit axes: its layout is in its type
+    sharding = getattr(value, "sharding", None)
+    if isinstance(value, jax.ShapeDtypeStruct) and isinstance(sharding, NamedSharding):
+        return sharding, isinstance(sharding.mesh, AbstractMesh)
+    return sharding, sharding is None
+
+
+def _traced_mesh(values: list, own: list) -> Any:
+    """The mesh of the first value whose layout is open and that names one (an
+    abstract mesh); else None."""
+    for value, (sharding, pending) in zip(values, own):
+        if not pending:
+            continue
+        if isinstance(value, jax.core.Tracer):
+            sharding = jax.typeof(value).sharding
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is not None and not mesh.empty:
+            return mesh
+    return None

@@ -7,10 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxshard
 from jaxshard import Float, L
+from jaxshard._annotations.spec import format_spec
 
 
 @dataclasses.dataclass
@@ -82,6 +83,66 @@ def test_abstract_tree_placed_as_annotated(auto_mesh):
     unplaced = jaxshard.summary(abstract)
     assert {r.spec for r in unplaced.rows} == {"unplaced"}
     assert unplaced.bytes_per_device == unplaced.bytes_total
+
+
+def test_inside_jit_a_layout_not_known_is_not_replicated(auto_mesh, explicit_mesh):
+    """On Auto axes a traced value's type says nothing of its layout: it is shown
+    as its annotation places it, else as unknown (not P(), replicated); on Explicit
+    axes its type is its layout."""
+    seen = {}
+
+    def summarise(params):
+        seen[jax.typeof(params.w).sharding.mesh.axis_types[0]] = jaxshard.summary(
+            params
+        )
+        return params
+
+    for mesh in (auto_mesh, explicit_mesh):
+        with jax.set_mesh(mesh), jaxshard.axis_rules(RULES):
+            jax.jit(summarise)(jaxshard.device_put(make()))
+    auto = seen[AxisType.Auto]
+    rows = {r.path: r for r in auto.rows}
+    assert rows["Params.w"].spec == "P('dp', 'tp')"  # as annotated
+    assert rows["Params.v"].spec == "P('tp')"
+    assert rows["Params.b"].spec == "unknown"  # its annotation states no spec
+    assert rows["Params.b"].bytes_per_device == rows["Params.b"].bytes_total
+    assert rows["Params.b"].bytes_replicated == 0
+    text = str(auto)
+    assert "Params.b  (32,)     float32  unknown" in text
+    assert text.splitlines()[-1] == (
+        "unknown: layout not known while tracing (inside jit on Auto axes, XLA "
+        "chooses it when it compiles), counted whole; annotate the array, or "
+        "summarise outside jit."
+    )
+    rows = {r.path: r for r in seen[AxisType.Explicit].rows}
+    assert rows["Params.b"].spec == "P()"  # its type says replicated
+    assert rows["Params.w"].spec == "P('dp', 'tp')"
+    assert "unknown" not in str(seen[AxisType.Explicit])
+
+
+def test_eval_shape_on_explicit_axes_is_shown_as_annotated(explicit_mesh):
+    """`jax.eval_shape` on Explicit axes gives each array the layout it is made
+    with (replicated): the annotation's layout is what it will have once placed,
+    as `shardings_of` says."""
+    with jax.set_mesh(explicit_mesh), jaxshard.axis_rules(RULES):
+        abstract = jax.eval_shape(make)
+        assert abstract.w.sharding.spec == P(None, None)  # as made
+        shown = jaxshard.summary(abstract)
+        shardings = jaxshard.shardings_of(abstract)
+    rows = {r.path: r for r in shown.rows}
+    assert rows["Params.w"].spec == "P('dp', 'tp')" == format_spec(shardings.w.spec)
+    assert rows["Params.w"].bytes_per_device == KiB
+    assert rows["Params.v"].spec == "P('tp')"
+    assert rows["Params.b"].spec == "P()"  # nothing annotates it: as made
+    # Without a mesh in context, on the abstract mesh the arrays were traced on.
+    with jaxshard.axis_rules(RULES):
+        assert {r.path: r.spec for r in jaxshard.summary(abstract).rows} == {
+            r.path: r.spec for r in shown.rows
+        }
+    placed = jaxshard.device_put(abstract, explicit_mesh, rules=RULES)
+    assert {r.path: r.spec for r in jaxshard.summary(placed, rules=RULES).rows} == {
+        r.path: r.spec for r in shown.rows
+    }
 
 
 def test_any_pytree_and_one_device():
