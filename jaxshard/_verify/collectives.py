@@ -132,6 +132,9 @@ def _fields(text: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=([^\s}]+)", text))
 
 
+Frame = tuple[str, int, str]  # (filename, line, function)
+
+
 class _Frames:
     """The module's stack frame tables, for the user line of an instruction."""
 
@@ -154,8 +157,10 @@ class _Frames:
         filename = self.files.get(int(location.get("file_name_id", 0)))
         return None if filename is None else (filename, int(location.get("line", 0)))
 
-    def user_line(self, frame_id: int) -> tuple[str, int, str] | None:
-        seen = set()
+    def user_chain(self, frame_id: int) -> tuple[Frame, ...]:
+        """The frames of the user's code that the instruction with this frame was
+        made in, innermost first."""
+        found, seen = [], set()
         while frame_id in self.frames and frame_id not in seen:
             seen.add(frame_id)
             frame = self.frames[frame_id]
@@ -163,9 +168,17 @@ class _Frames:
             filename = self.files.get(int(location.get("file_name_id", 0)))
             if filename is not None and _is_user_code(filename):
                 function = self.functions.get(int(location.get("function_name_id", 0)))
-                return filename, int(location.get("line", 0)), function or "?"
-            frame_id = int(frame.get("parent_frame_id", frame_id))
-        return None
+                found.append((filename, int(location.get("line", 0)), function or "?"))
+            frame_id = int(frame.get("parent_frame_id", 0)) - self._shift
+        return tuple(found)
+
+    @ft.cached_property
+    def _shift(self) -> int:
+        """How much the printed `parent_frame_id`s exceed the parents' ids. XLA
+        (jax 0.10.2 to 0.12.0.1) prints each parent's id plus one, and so the first
+        frame, which has no parent, as its own: a frame that names itself says so."""
+        frames = self.frames.items()
+        return int(any(k == int(f.get("parent_frame_id", 0)) for k, f in frames))
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -207,10 +220,10 @@ def _from_checks(innermost: tuple[str, int] | None, chains: Any, name: str) -> b
 
 # --- the user's frames, from the lowered module's locations --------------------------
 #
-# The compiled program's stack frame table keeps only part of each op's call chain
-# (XLA drops most parent links), so an op made inside a library (flax's constraint
-# on a weight, say) names no line of the user's code there. The lowered module's
-# debug locations keep the whole chain: `loc("jit(f)/.../dot_general"(#loc8))`,
+# The compiled program's stack frame table gives an op's whole call chain, but not
+# every op keeps a frame through XLA's passes (an op made for an input's layout,
+# an op whose frame a fusion dropped). The lowered module's debug locations keep
+# every op's chain, by op name: `loc("jit(f)/.../dot_general"(#loc8))`,
 # `#loc8 = loc(callsite(#loc5 at #loc6))`, `#loc5 = loc("f"(#loc2))`,
 # `#loc2 = loc("model.py":6:11 to :21)`.
 
@@ -218,8 +231,6 @@ _LOC = re.compile(r"^#(loc\d*) = loc\((.*)\)\s*$")
 _NAMED = re.compile(r'^"((?:[^"\\]|\\.)*)"\(#(loc\d*)\)$')
 _CALLSITE = re.compile(r"^callsite\(#(loc\d*) at #(loc\d*)\)$")
 _FILE = re.compile(r'^"((?:[^"\\]|\\.)*)":(\d+)')
-
-Frame = tuple[str, int, str]  # (filename, line, function)
 
 
 def user_frames_by_op(module_text: str) -> "_FramesByOp":
@@ -402,11 +413,12 @@ def collectives(
         )
         groups = _pairs(rest) if kind == "collective-permute" else _groups(rest)
         op_name = re.search(r'op_name="([^"]*)"', rest)
-        where, innermost = None, None
+        where, innermost, made_in = None, None, ()
         frame = re.search(r"stack_frame_id=(\d+)", rest)
         if frame:
             frames = frames or _Frames(hlo_text)
-            where = frames.user_line(int(frame[1]))
+            made_in = _cut(frames.user_chain(int(frame[1])), root)
+            where = made_in[0] if made_in else None
             innermost = frames.line(int(frame[1]))
         elif re.search(r'source_file="([^"]*)"', rest):
             source = re.search(r'source_file="([^"]*)" source_line=(\d+)', rest)
@@ -415,7 +427,7 @@ def collectives(
                 where = (source[1], int(source[2]), "?")
         # HLO text escapes quotes: `inputs[\\'table\\']`.
         name = op_name[1].replace("\\'", "'") if op_name else ""
-        chain = _cut(_chain(chains, name, innermost), root)
+        chain = made_in or _cut(_chain(chains, name, innermost), root)
         if where is None and chain:
             where = chain[0]
         found.append(

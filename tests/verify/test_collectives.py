@@ -3,6 +3,7 @@ bytes, mesh axes and the line of user code it came from."""
 
 import inspect
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -332,3 +333,52 @@ def test_which_files_are_the_checks():
     assert _collectives._is_check_code(stats.__file__)
     assert not _collectives._is_check_code(shard_map.__file__)  # the model's blocks
     assert not _collectives._is_check_code(__file__)
+
+
+# --- through library code: flax NNX modules ------------------------------------------
+
+
+def test_the_frames_of_a_compiled_program_reach_the_users_calls(auto_mesh):
+    """The compiled program's own stack frame table (whose printed parent ids XLA
+    shifts by one) gives the whole chain of calls in the user's code."""
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    w = jax.ShapeDtypeStruct((32, 16), jnp.float32)
+    text = jax.jit(layered).lower(x, w).compile().as_text()
+    frames = _collectives._Frames(text)
+    ids = re.findall(r'op_name="[^"]*dot_general".*?stack_frame_id=(\d+)', text)
+    chains = {frames.user_chain(int(i)) for i in ids}
+    assert chains and all(
+        [f for _, _, f in chain][:4] == ["project", "attention", "block", "layered"]
+        for chain in chains
+    ), chains
+
+
+@pytest.mark.parametrize("through", ["nnx.jit", "function"])
+def test_an_nnx_models_collectives_are_at_its_lines(auto_mesh, through):
+    """nnx.Linear's matmul is flax's code: the collective is at the line of the
+    module's `__call__` that called it, through flax's frames, whether the step is
+    an `nnx.jit` or a plain function."""
+    import optax
+    from decoders import nnx_loss_step, NnxTwoLayers
+    from flax import nnx
+
+    with jax.set_mesh(auto_mesh):
+        model = NnxTwoLayers(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    x = jax.ShapeDtypeStruct(
+        (16, 8), jnp.float32, sharding=jax.NamedSharding(auto_mesh, P("dp", None))
+    )
+
+    def forward(model, x):
+        return (model(x) ** 2).mean()
+
+    step = nnx_loss_step if through == "nnx.jit" else forward
+    values = {"model": model, "x": x} | ({"opt": opt} if through == "nnx.jit" else {})
+    report = jaxshard.verify(step, mesh=auto_mesh, values=values)
+    model_lines = [c for c in report.collectives if c.axes == ("tp",)]
+    assert model_lines, report.collectives
+    call = line_of(NnxTwoLayers.__call__, "self.down(")
+    for found in model_lines:
+        assert (found.function, found.lineno) == ("NnxTwoLayers.__call__", call)
+        assert os.path.basename(found.filename) == "decoders.py"
+        assert found.chain[-1][2].endswith(step.__name__), found.chain
