@@ -8,7 +8,7 @@ from html import escape
 from typing import Any
 
 from .._version import __version__
-from .html_text import esc, human, MEMORY, SHOWN_ARRAYS, SHOWN_SITES
+from .html_text import bar, esc, human, MEMORY, SHOWN_ARRAYS, SHOWN_SITES
 
 
 def header(v: Any) -> str:
@@ -17,7 +17,9 @@ def header(v: Any) -> str:
     types = "/".join(sorted(set(d.get("axis_types") or ()))) or "?"
     flops = (d.get("program") or {}).get("flops")
     flops = (
-        "" if flops is None else f'<span class="chip">{flops:.3g} FLOPs/device</span>'
+        f'<span class="chip">{flops:.3g} FLOPs/device</span>'
+        if isinstance(flops, (int, float))
+        else ""
     )
     return (
         '<header><span class="brand">jaxshard.verify</span>'
@@ -88,8 +90,9 @@ def _violation(x: dict) -> str:
         )
     source = x.get("source")
     source = f'<code class="source">{esc(source)}</code>' if source else ""
+    cls = kind if kind in _KINDS else "other"  # a class of page.css, never the data
     return (
-        f'<li class="violation"><div class="title"><span class="kind {kind}">'
+        f'<li class="violation"><div class="title"><span class="kind {cls}">'
         f"{esc(kind)}</span><strong>{esc(who)}</strong>{source}</div>{layout}"
         f'<div class="reason">{esc(x.get("reason"))}</div></li>'
     )
@@ -109,13 +112,9 @@ def memory(v: Any) -> str:
     used = dict(m, code=program.get("code") or 0)
     used["outputs"] = max(0, m["outputs"] - m.get("aliased", 0))
     whole = sum(used[k] for k, _ in MEMORY) or 1
-    bar = "".join(
-        f'<span style="width:{100 * used[k] / whole:.3f}%;background:{c}" '
-        f'title="{k} {human(used[k])}"></span>'
-        for k, c in MEMORY
-    )
+    parts = [(100 * used[k] / whole, c, f"{k} {human(used[k])}") for k, c in MEMORY]
     rows = "".join(
-        f'<span class="swatch" style="background:{c}"></span><span>{k}'
+        f'<span class="swatch {c}"></span><span>{k}'
         + (
             f" (aliased {human(m['aliased'])})"
             if k == "outputs" and m.get("aliased")
@@ -129,25 +128,22 @@ def memory(v: Any) -> str:
     return _panel(
         "Memory per device",
         _hbm_meter(m["total"], hbm)
-        + f'<div class="bar" id="memory-bar">{bar}</div>'
+        + bar(parts, "bar", "memory-bar")
         + f'<div class="legend">{rows}</div>',
     )
 
 
 def _hbm_meter(total: int, hbm: int | None) -> str:
     """How much of a device's HBM the program fills, as a meter and a sentence."""
-    if hbm is None:
+    if not hbm:
         return (
             f'<div class="fit">{human(total)} in all; the HBM of these devices is '
             "unknown (not a TPU mesh).</div>"
         )
     full = min(1.0, total / hbm)
-    color = "var(--bad)" if total > hbm else "var(--good)"
-    return (
-        f'<div class="bar thin" title="{total / hbm:.2%} of HBM"><span style="width:'
-        f'{max(100 * full, 0.6):.2f}%;background:{color}"></span></div>'
-        + _fit(total, hbm)
-    )
+    part = "part-bad" if total > hbm else "part-good"
+    meter = [(max(100 * full, 0.6), part, f"{total / hbm:.2%} of HBM")]
+    return bar(meter, "bar thin") + _fit(total, hbm)
 
 
 def _fit(total: int, hbm: int) -> str:
@@ -182,10 +178,10 @@ def collectives(v: Any) -> str:
     rows = "".join(
         f'<tr><td><span class="chip">{esc(s["kind"])}</span></td>'
         f"<td>{_axes(v, s['axes'])}</td>"
-        f'<td class="num" title="{esc(_each(s))}">×{s["count"]}</td>'
+        f'<td class="num" title="{esc(_each(s))}">×{esc(s["count"])}</td>'
         f'<td class="num">{human(s["bytes"])}</td>'
-        f'<td><div class="meter"><span style="width:'
-        f'{100 * (s["bytes"] or 0) / most:.1f}%"></span></div></td>'
+        f"<td>{bar([(100 * (s['bytes'] or 0) / most, 'part-accent', '')], 'meter')}"
+        "</td>"
         f'<td title="{esc(s.get("where"))}">{_where(s)}</td></tr>'
         for s in sites[:SHOWN_SITES]
     )

@@ -35,7 +35,7 @@ def _table(v: Any, name: str, title: str, head: list[str], rows: list[str]) -> s
 
 
 def _num(n: Any, text: str) -> str:
-    return f'<td class="num" data-sort="{-1 if n is None else n}">{esc(text)}</td>'
+    return f'<td class="num" data-sort="{esc(-1 if n is None else n)}">{esc(text)}</td>'
 
 
 def _contracts(v: Any) -> str:

@@ -3,10 +3,13 @@
 (Debian's chromium, driven by playwright). In CI (`CI` set) the browser tests may
 not skip."""
 
+import base64
+import hashlib
 import json
 import os
 import re
 import shutil
+from html.parser import HTMLParser
 
 import jax
 import pytest
@@ -194,6 +197,110 @@ def test_every_text_is_escaped():
     assert "&lt;/script&gt;&lt;script&gt;alert(1)" in page
 
 
+# Would run a script wherever it were written unescaped: in an attribute (the
+# handler), as text (the script, the image's handler) or in the script holding the
+# data (ended early; its JSON must escape the line separators too, for older
+# JavaScript). An axis name holds no "=" or ",".
+PAYLOAD = (
+    'x" onmouseover="window.__pwned=1" y="</script><script>window.__pwned=2'
+    "</script><img src=x onerror=window.__pwned=3>\u2028\u2029"
+)
+AXIS_PAYLOAD = '"><b>bold</b></script><script>window.__pwned++</script>'
+# The fields whose keys are names (of arrays, kinds of collective, axes, functions).
+NAMED = {"inputs", "outputs", "collectives", "axes", "functions", "check_collectives"}
+
+
+def hostile(data: dict) -> dict:
+    """`data` with every string in it, and every name, the `PAYLOAD` and a number
+    (the same string, the same number: names stay consistent); the mesh's axes
+    too."""
+    axes = [part.partition("=")[0] for part in data["mesh"].split(",")]
+    names = {a: f"{AXIS_PAYLOAD}{i}" for i, a in enumerate(axes)}
+
+    def swap(text: str) -> str:
+        if text not in names:
+            names[text] = f"{PAYLOAD}{len(names)}"
+        return names[text]
+
+    def walk(x, field=None):
+        if isinstance(x, str):
+            return swap(x)
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, dict) and field in NAMED:
+            return {swap(k): walk(v) for k, v in x.items()}
+        if isinstance(x, dict):
+            return {k: walk(v, k) for k, v in x.items()}
+        return x
+
+    out = walk(data)
+    out["mesh"] = ",".join(
+        f"{names[a]}={n}" for a, n in (p.split("=") for p in data["mesh"].split(","))
+    )
+    return out
+
+
+class Parsed(HTMLParser):
+    """A page's elements, as a browser's parser finds them: each start tag with its
+    attributes, and the text of each `<script>` and `<style>`."""
+
+    def __init__(self, page: str):
+        super().__init__()
+        self.tags, self.scripts, self.styles, self.inside = [], [], [], None
+        self.feed(page)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+        self.inside = tag
+
+    def handle_data(self, data):
+        if self.inside in ("script", "style"):
+            (self.scripts if self.inside == "script" else self.styles).append(data)
+        self.inside = None
+
+
+def sha256(text: str) -> str:
+    digest = base64.b64encode(hashlib.sha256(text.encode()).digest()).decode()
+    return f"'sha256-{digest}'"
+
+
+@pytest.fixture(scope="module")
+def hostile_page(reports):
+    """The failing report's page, from a snapshot whose every string is hostile,
+    read back as `show` reads it."""
+    data = hostile(snapshot.snapshot(reports["failing"]))
+    path = reports["dir"] / "hostile.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    assert snapshot.load(path) == data  # a well-formed snapshot, for all that
+    return data, html.page(data)
+
+
+def test_every_field_is_escaped_in_its_place(hostile_page):
+    data, page = hostile_page
+    parsed = Parsed(page)
+    # No handler, no style attribute, no element of a field's: only the page's own.
+    attributes = {a for _, attrs in parsed.tags for a in attrs}
+    assert (
+        not [a for a in attributes if a.startswith("on")] and "style" not in attributes
+    )
+    assert not {"img", "b"} & {tag for tag, _ in parsed.tags}
+    scripts = [attrs for tag, attrs in parsed.tags if tag == "script"]
+    assert scripts == [{"type": "application/json", "class": "jxs-data"}, {}]
+    assert not re.search(r'onmouseover=(?!&quot;|\\")', page)  # escaped, each one
+    assert page.count("<script") == 2 and page.count("</script>") == 2
+    assert embedded(page) == data
+    assert "\u2028" not in parsed.scripts[0] and "\\u2029" in parsed.scripts[0]
+    # The policy lets run exactly the page's script, and style it exactly its styles.
+    (meta,) = [
+        a for t, a in parsed.tags if a.get("http-equiv") == "Content-Security-Policy"
+    ]
+    policy = dict(d.strip().split(" ", 1) for d in meta["content"].split(";"))
+    assert "unsafe" not in meta["content"] and policy["default-src"] == "'none'"
+    assert policy["script-src"] == sha256(parsed.scripts[1])
+    assert policy["style-src"].split() == [sha256(s) for s in parsed.styles]
+    assert len(parsed.styles) == 2
+
+
 def test_an_old_snapshot_is_drawn_from_its_layouts(reports):
     """A snapshot written before snapshots held the page's data: its inputs'
     layouts are read from their text, its violations from its contracts."""
@@ -291,13 +398,8 @@ def open_page(browser, reports):
     def open_(name: str):
         path = reports["dir"] / f"{name}.html"
         reports[name].save_html(path)
-        tab = browser.new_page(viewport=VIEWPORT)
-        tab.errors = []
-        tab.on("console", lambda m: m.type == "error" and tab.errors.append(m.text))
-        tab.on("pageerror", lambda e: tab.errors.append(str(e)))
-        tab.goto(path.as_uri())
-        pages.append(tab)
-        return tab
+        pages.append(visit(browser, path))
+        return pages[-1]
 
     yield open_
     for tab in pages:
@@ -347,10 +449,76 @@ def test_a_passing_report_in_a_browser(open_page):
     assert tab.errors == []
     assert "All 7 sharding contracts hold" in tab.locator(".verdict").inner_text()
     assert tab.locator("#violations").count() == 0
-    assert tab.locator("#memory-bar > span").count() == 4
+    # Drawn as the page's own style says, under its policy: bars and colours.
+    bar = tab.locator("#memory-bar").bounding_box()["width"]
+    parts = tab.eval_on_selector_all(
+        "#memory-bar rect", "rs => rs.map(r => r.getBoundingClientRect().width)"
+    )
+    assert len(parts) == 4 and bar - 3 < sum(parts) <= bar  # inside its border
+    color = "e => getComputedStyle(e).color"
+    assert tab.eval_on_selector("header .axis", color) == "rgb(26, 115, 232)"
     assert tab.locator("#arrays svg").count() == 3
     assert tab.locator("#top-lines tr").count() >= 1
     tab.locator("table[id$='-sites'] th", has_text="bytes").click()
     tab.locator("input[data-filter$='-sites']").fill("no such line")
     assert rows(tab, "sites") == []
     assert tab.errors == []
+
+
+def test_a_hostile_snapshot_in_a_browser(browser, hostile_page, reports):
+    """Every field holds a script, as an attribute, as markup, or to end the data's
+    `<script>`: none runs, nothing is refused (nothing tried), and the page's own
+    script still sorts and filters."""
+    path = reports["dir"] / "hostile.html"
+    path.write_text(hostile_page[1], encoding="utf-8")
+    tab = visit(browser, path)
+    for element in tab.locator("li.violation span, td, th, .chip").all()[:60]:
+        element.hover()
+    assert tab.evaluate("window.__pwned") is None
+    assert tab.locator("b, img").count() == 0
+    th = tab.locator("table[id$='-contracts'] th").first
+    th.click()
+    assert th.get_attribute("aria-sort") == "ascending"
+    tab.locator("input[data-filter$='-contracts']").fill("no such contract")
+    assert rows(tab, "contracts") == []
+    assert tab.errors == []
+    tab.close()
+
+
+def test_the_policy_refuses_what_escaping_would_have_let_through(browser, reports):
+    """Were a field written unescaped, the page's Content-Security-Policy would still
+    refuse its handler, its script and its style attribute (and say so)."""
+    page = (
+        reports["passing"]
+        .html()
+        .replace(
+            "</body>",
+            '<div id="bait" onclick="window.__pwned=1" style="color: rgb(255, 0, 0)">'
+            "bait</div><script>window.__pwned=2</script></body>",
+        )
+    )
+    path = reports["dir"] / "injected.html"
+    path.write_text(page, encoding="utf-8")
+    tab = visit(browser, path)
+    tab.locator("#bait").click()
+    assert tab.evaluate("window.__pwned") is None
+    color = tab.eval_on_selector("#bait", "e => getComputedStyle(e).color")
+    assert color != "rgb(255, 0, 0)"
+    assert len(tab.errors) == 3
+    assert all("Content Security Policy" in e for e in tab.errors)
+    # The page's own script still runs: it sorts.
+    th = tab.locator("table[id$='-inputs'] th").first
+    th.click()
+    assert th.get_attribute("aria-sort") == "ascending"
+    tab.close()
+
+
+def visit(browser, path):
+    """A tab on the page at `path`; the console's errors are collected in
+    `errors`."""
+    tab = browser.new_page(viewport=VIEWPORT)
+    tab.errors = []
+    tab.on("console", lambda m: m.type == "error" and tab.errors.append(m.text))
+    tab.on("pageerror", lambda e: tab.errors.append(str(e)))
+    tab.goto(path.as_uri())
+    return tab
