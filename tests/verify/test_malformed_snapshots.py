@@ -39,10 +39,14 @@ def report(auto_mesh):
 
 @pytest.fixture(scope="module")
 def good(report):
-    """The report's snapshot, with every part the page draws."""
+    """The report's snapshot, with every part the page draws (those a TPU's or a
+    comparison's would have, too)."""
     data = snapshot.snapshot(report)
     assert data["violations"] and data["sites"] and data["layouts"]["inputs"]
     assert data["collectives"] and data["memory"]
+    data["program"]["hbm_bytes"] = 16 << 30
+    data["check_collectives"] = {"all-reduce": {"count": 1, "bytes": 4}}
+    data["against"], data["notes"] = "old.json", ["a note"]
     return json.loads(snapshot.dumps(data))
 
 
