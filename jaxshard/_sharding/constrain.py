@@ -45,8 +45,8 @@ def constrain(x: Any, annotation: Any, *, mesh: Any = None, rules: Any = None) -
     value's type already has, it is `jax.sharding.reshard`: the value's type
     changes to the annotation's layout. On a mesh of both kinds, each for its own
     axes. Eagerly it is `jax.device_put`. `P.UNCONSTRAINED` dimensions keep the
-    layout they have (on Auto axes, XLA chooses it; eagerly onto another mesh, its
-    axes must be that mesh's too). Inside a `shard_map` body the
+    layout they have (on Auto axes, XLA chooses it; onto another mesh, the axes of
+    that layout must be that mesh's too). Inside a `shard_map` body the
     value is one block of the global array the annotation describes (its shape is
     checked as the global one): the axes the body is manual over are shard_map's
     and stay as its specs have them (a block that differs across one the spec says
@@ -133,16 +133,21 @@ def _check_fits(value: Any, spec: PartitionSpec, target: Any, annotation, rules)
 
 
 def _not_kept(value: Any, spec: PartitionSpec, mesh: Any) -> str:
-    """Eagerly, why the `P.UNCONSTRAINED` dimensions of `spec` cannot keep the
-    layout the array `value` has once it is on `mesh`, another mesh ("" if they
-    can): an axis of that layout `mesh` lacks, or one that splits a dimension
-    unevenly there."""
-    sharding = getattr(value, "sharding", None)
+    """Why the `P.UNCONSTRAINED` dimensions of `spec` cannot keep the layout
+    `value` has once it is on `mesh`, another mesh ("" if they can): an axis of
+    that layout `mesh` lacks, or one that splits a dimension unevenly there. A
+    traced value keeps the layout of its type, on Explicit axes (see `lay_out`)."""
     loose = [i for i, e in enumerate(spec) if e is PartitionSpec.UNCONSTRAINED]
+    if isinstance(value, jax.core.Tracer):
+        sharding = jax.typeof(value).sharding
+        if AxisType.Explicit not in mesh.axis_types:
+            return ""
+    else:
+        sharding = getattr(value, "sharding", None)
     if (
         not loose
-        or isinstance(value, jax.core.Tracer)
         or not isinstance(sharding, NamedSharding)
+        or sharding.mesh.shape == mesh.shape  # the same axes: the layout fits
     ):
         return ""
     kept = fill_unconstrained(spec, sharding.spec, mesh.shape)
