@@ -122,7 +122,7 @@ def _check_fits(value: Any, spec: PartitionSpec, target: Any, annotation, rules)
         )
         raise ShardingError(
             f"jaxshard.constrain: {reason}. Say how to lay those dimensions out on "
-            f"this mesh (a spec naming its axes, or {format_spec(whole)} to "
+            f"this mesh (a spec naming axes it has, or {format_spec(whole)} to "
             "replicate them), or constrain the value on the mesh it is on."
         )
     with using(rules):
