@@ -2,12 +2,15 @@
 and `python -m jaxshard show SNAPSHOT --html PAGE`.
 
 Exit status: 0 when every contract holds, 1 on violations (or another contract
-failure, such as a wrong shape), 2 on usage errors, 3 when the function itself fails
-to trace or compile. `show` exits with 0, or 2 when the snapshot cannot be read.
+failure, such as a wrong shape), 2 on usage errors (a malformed snapshot, a mesh of
+more devices than the run can make), 3 when the model's own code fails: the function
+fails to trace or compile, or its module (or a `--values` or `--rules` function)
+raises as it is loaded. `show` exits with 0, or 2 when the snapshot cannot be read.
 """
 
 import argparse
 import inspect
+import math
 import os
 import sys
 import traceback
@@ -20,6 +23,7 @@ from .abstract import abstract_args, stray_dims
 from .budgets import _check_budget
 from .options import (
     _budget,
+    _call,
     _dims,
     _dtypes,
     _for_the_command_line,
@@ -28,6 +32,8 @@ from .options import (
     _mesh_axes,
     _parser,
     _values,
+    CodeFailed,
+    MAX_CPU_DEVICES,
 )
 from .report import _check_tolerance
 from .snapshot import load as load_snapshot
@@ -48,6 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         inputs = _inputs(args)
+    except CodeFailed as e:  # the model's own code raised: not a usage error
+        print(str(e), file=sys.stderr)
+        return MODEL_FAILED
     except (ValueError, ImportError, AnnotationError) as e:
         parser.error(_for_the_command_line(str(e).splitlines()[0]))
     report = _verified(args, inputs)
@@ -111,7 +120,8 @@ def _start_jax() -> None:
 
 def _inputs(args: argparse.Namespace) -> dict[str, Any]:
     """`jaxshard.verify`'s arguments from the command line's; a `ValueError` (or
-    the API's own error) for a usage error, before anything is compiled."""
+    the API's own error) for a usage error, before anything is compiled, and a
+    `CodeFailed` when the model's code raises as it is loaded."""
     import jax
 
     axes = _mesh_axes(args.mesh)
@@ -120,9 +130,7 @@ def _inputs(args: argparse.Namespace) -> dict[str, Any]:
     budget = _budget(args.max_collectives)
     _check_options(args, budget)  # and read --against, before the model is imported
     if args.topology is None:
-        import math
-
-        devices = args.devices or math.prod(axes.values())
+        devices = _cpu_devices(args.mesh, axes, args.devices)
         jax.config.update("jax_num_cpu_devices", devices)
     elif args.devices is not None:
         raise ValueError("--devices is for CPU meshes; it conflicts with --topology")
@@ -151,6 +159,39 @@ def _inputs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def _cpu_devices(mesh: str, axes: dict[str, int], devices: int | None) -> int:
+    """How many CPU devices the run simulates: `--devices N`, or as many as the mesh
+    needs. A `ValueError` at once, before JAX makes any, when that is not a number
+    the run can make, or fewer than the mesh needs."""
+    need = math.prod(axes.values())
+    topology = "compile for a TPU topology instead, e.g. --topology v5e:16x16 for 256"
+    if devices is not None and devices < 1:
+        raise ValueError(
+            "--devices takes a number of CPU devices to simulate, from 1 to "
+            f"{MAX_CPU_DEVICES}; got {devices}."
+        )
+    if devices is not None and devices > MAX_CPU_DEVICES:
+        raise ValueError(
+            f"--devices {devices}: a run simulates at most {MAX_CPU_DEVICES} CPU "
+            "devices (XLA's CPU compiler takes no more in one process). For more, "
+            f"{topology} chips (needs libtpu: pip install 'jaxshard[tpu]')."
+        )
+    if need > MAX_CPU_DEVICES:
+        raise ValueError(
+            f"the mesh {mesh} needs {need} devices; a run simulates at most "
+            f"{MAX_CPU_DEVICES} CPU devices (XLA's CPU compiler takes no more in one "
+            f"process). For a pod, {topology} chips, with a mesh of as many (needs "
+            "libtpu: pip install 'jaxshard[tpu]')."
+        )
+    if devices is not None and need > devices:
+        raise ValueError(
+            f"the mesh {mesh} needs {need} devices; --devices {devices} simulates "
+            f"{devices}. Give --devices {need}, or leave it out: the run simulates as "
+            "many as the mesh needs."
+        )
+    return devices or need
+
+
 def _check_options(args: argparse.Namespace, budget: dict[str, int]) -> None:
 
     try:
@@ -173,8 +214,10 @@ def _rules(target: str | None) -> Any:
         return None
     rules = _load_object(target, "--rules")
 
+    if inspect.isfunction(rules):
+        rules = _call(rules, f"--rules {target}: calling {target}()")
     try:
-        return normalise(rules() if inspect.isfunction(rules) else rules)
+        return normalise(rules)
     except TypeError as e:
         raise ValueError(f"--rules {target}: {e}") from None
 
@@ -213,9 +256,7 @@ def _make_mesh(axes: dict[str, int], topology: str | None, axis_types: str | Non
     if topology is not None:
         return tpu_mesh(topology, axes, axis_types=axis_types)
     shape = tuple(axes.values())
-    n = 1
-    for s in shape:
-        n *= s
+    n = math.prod(shape)
     devices = jax.devices()
     if n > len(devices):
         raise ValueError(

@@ -9,11 +9,18 @@ import inspect
 import os
 import re
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
 from .._errors import did_you_mean
+from .collectives import _relative
 
+
+# The most CPU devices a run simulates: XLA's CPU compiler refuses a program for more
+# in one process ("Multiprocess computations aren't implemented on the CPU backend",
+# jax 0.10.2 to 0.12; tests/verify/test_cli.py pins it).
+MAX_CPU_DEVICES = 2048
 
 EXAMPLES = """\
 examples:
@@ -47,8 +54,8 @@ _VERIFY_ARGUMENTS = [
         "--devices",
         type=int,
         metavar="N",
-        help="number of simulated CPU devices when there is no --topology (default: "
-        "the product of the mesh axis sizes)",
+        help="number of simulated CPU devices when there is no --topology, from 1 to "
+        f"{MAX_CPU_DEVICES} (default: the product of the mesh axis sizes)",
     ),
     _arg(
         "--mesh",
@@ -238,7 +245,8 @@ def _parser() -> argparse.ArgumentParser:
             "allocated) and check every sharding contract met on the way. Prints a "
             "table of contracts. Exit status: 0 when every contract holds, 1 when one "
             "is violated, 2 on a usage error, 3 when the function itself fails to "
-            "trace or compile (its own error, not a contract's)."
+            "trace or compile, or its module (or a --values function) raises as it "
+            "is imported (its own error, not a contract's)."
         ),
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -366,7 +374,7 @@ def _values(items: Sequence[str]) -> dict[str, Any]:
             )
         obj = _load_object(target, "--values")
         if inspect.isfunction(obj):
-            obj = obj()
+            obj = _call(obj, f"--values {item}: calling {target}()")
         if name:
             values[name] = obj
         elif isinstance(obj, dict):
@@ -387,12 +395,15 @@ def _values(items: Sequence[str]) -> dict[str, Any]:
 
 
 def _load_object(target: str, what: str) -> Any:
+    """The object `MODULE:NAME` names; a `ValueError` when there is no such module
+    or name, a `CodeFailed` when importing the module raises."""
     module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
         raise ValueError(
             f"bad {what} {target!r}: write MODULE:NAME, e.g. pkg.model:forward or "
             "path/to/model.py:forward"
         )
+    importing = f"{'' if what == 'function' else what + ' '}{target}: importing"
     if module_name.endswith(".py") or os.sep in module_name:
         if not os.path.isfile(module_name):
             raise ValueError(f"cannot import {module_name!r}: no such file")
@@ -400,14 +411,24 @@ def _load_object(target: str, what: str) -> Any:
         spec = importlib.util.spec_from_file_location(name, module_name)
         module = importlib.util.module_from_spec(spec)  # pyright: ignore
         sys.modules[name] = module
-        spec.loader.exec_module(module)  # pyright: ignore
+        try:
+            spec.loader.exec_module(module)  # pyright: ignore
+        except (Exception, SystemExit) as e:
+            del sys.modules[name]
+            raise CodeFailed(_raised(f"{importing} {module_name}", e)) from e
     else:
         if "" not in sys.path and os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
-            raise ValueError(f"cannot import module {module_name!r}: {e}") from None
+            if e.name and f"{module_name}.".startswith(
+                f"{e.name}."
+            ):  # it, or its package
+                raise ValueError(f"cannot import module {module_name!r}: {e}") from None
+            raise CodeFailed(_raised(f"{importing} {module_name}", e)) from e
+        except (Exception, SystemExit) as e:
+            raise CodeFailed(_raised(f"{importing} {module_name}", e)) from e
     obj = module
     for part in attr.split("."):
         try:
@@ -417,6 +438,35 @@ def _load_object(target: str, what: str) -> Any:
                 f"module {module_name!r} has no attribute {attr!r}"
             ) from None
     return obj
+
+
+class CodeFailed(ImportError):
+    """The user's code raised as the command line loaded it: importing the module of
+    a `MODULE:OBJECT`, or calling a `--values` or `--rules` function. Not a usage
+    error: `python -m jaxshard verify` exits with 3, as when the function itself
+    fails to trace (`cli.MODEL_FAILED`)."""
+
+
+def _call(function: Any, doing: str) -> Any:
+    """`function()`; a `CodeFailed` saying what the command was `doing`
+    (`--values params=model:init: calling model:init()`) if it raises."""
+    try:
+        return function()
+    except (Exception, SystemExit) as e:
+        raise CodeFailed(_raised(doing, e)) from e
+
+
+def _raised(doing: str, e: BaseException) -> str:
+    """One line: what was being done raised `e`, and where (the innermost frame that
+    is not importlib's own)."""
+    frames = [
+        f
+        for f in traceback.extract_tb(e.__traceback__)
+        if not f.filename.startswith("<frozen ") and f.filename != importlib.__file__
+    ]
+    where = f" ({_relative(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{doing} raised {type(e).__name__}{': ' + text if text else ''}{where}"
 
 
 def _for_the_command_line(message: str) -> str:

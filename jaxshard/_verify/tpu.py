@@ -4,6 +4,7 @@ machine with no TPU (libtpu, XLA's TPU compiler, runs on any x86-64 Linux machin
 import functools as ft
 import glob
 import importlib.util
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -154,10 +155,10 @@ def tpu_mesh(
         ) from None
     devices = topo.devices
     shape = tuple(axes.values())
-    if int(np.prod(shape)) != len(devices):
+    if math.prod(shape) != len(devices):  # Python's ints: numpy's would wrap
         raise ValueError(
             f"jaxshard.tpu_mesh: topology {topology!r} has {len(devices)} devices, but "
-            f"the axes {axes} multiply to {int(np.prod(shape))}."
+            f"the axes {axes} multiply to {math.prod(shape)}."
         )
     kwargs = {"axis_types": _axis_types(axis_types or "auto", len(shape))}
     try:

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import pytest
@@ -198,6 +199,124 @@ def test_the_models_own_errors_exit_3(run, axis_types):
     assert len(err.strip().splitlines()) == 1
 
 
+BROKEN = {
+    # A model's module that raises as it is imported, or imports what is missing.
+    "pkg/__init__.py": "",
+    "pkg/raising.py": "import os\n\nraise RuntimeError('no TPU driver here')\n",
+    "pkg/missing.py": "import no_such_dependency_of_the_model\n",
+    "pkg/exiting.py": "import sys\n\nsys.exit('usage: train.py --steps N')\n",
+    "values.py": "def params():\n    return {'w': undefined_name}\n\n\nRULES = 3\n"
+    "\n\ndef rules():\n    raise KeyError('mlp')\n",
+}
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ["pkg.raising:f"],
+            "pkg.raising:f: importing pkg.raising raised RuntimeError: no TPU driver "
+            "here (pkg/raising.py:3)",
+        ),
+        (
+            ["pkg/raising.py:f"],
+            "pkg/raising.py:f: importing pkg/raising.py raised RuntimeError: no TPU "
+            "driver here (pkg/raising.py:3)",
+        ),
+        (
+            ["pkg.missing:f"],
+            "pkg.missing:f: importing pkg.missing raised ModuleNotFoundError: No "
+            "module named 'no_such_dependency_of_the_model' (pkg/missing.py:1)",
+        ),
+        (
+            ["pkg.exiting:f"],
+            "pkg.exiting:f: importing pkg.exiting raised SystemExit: usage: train.py "
+            "--steps N (pkg/exiting.py:3)",
+        ),
+        (
+            ["model:forward", "--values", "params=values:params"],
+            "--values params=values:params: calling values:params() raised NameError: "
+            "name 'undefined_name' is not defined (values.py:2)",
+        ),
+        (
+            ["model:layer", "--rules", "values:rules"],
+            "--rules values:rules: calling values:rules() raised KeyError: 'mlp' "
+            "(values.py:9)",
+        ),
+    ],
+)
+def test_the_models_code_failing_as_it_is_loaded_exits_3(run, tmp_path, args, line):
+    """The model's module (or a --values or --rules function) raising is the model's
+    failure, as one that fails to trace is: exit 3, one line naming the target, the
+    exception and where it was raised; no traceback."""
+    for name, text in BROKEN.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    code, out, err = run("verify", *args, "--mesh", "dp=4", *DIMS)
+    assert code == 3 and out == "", err
+    assert err.strip() == line.replace("/", os.sep)
+
+
+def test_a_mesh_larger_than_the_run_can_make_is_refused_at_once(run):
+    """JAX would spend minutes making 200,000 CPU devices, and XLA then refuse to
+    compile for more than 2048 in one process."""
+    start = time.monotonic()
+    code, out, err = run("verify", "model:layer", "--mesh", "dp=100000,tp=2", *DIMS)
+    assert code == 2 and out == "" and time.monotonic() - start < 60
+    last = err.strip().splitlines()[-1]
+    assert (
+        "the mesh dp=100000,tp=2 needs 200000 devices; a run simulates at most " in last
+    )
+    assert "2048 CPU devices" in last and "--topology v5e:16x16" in last
+    code, _, err = run("verify", "model:layer", "--mesh", "dp=2049", *DIMS)
+    assert code == 2 and "needs 2049 devices" in err
+
+
+CPU_DEVICES = """
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+n = int(sys.argv[1])
+jax.config.update("jax_num_cpu_devices", n)
+mesh = jax.make_mesh((n,), ("dp",), devices=jax.devices())
+double = jax.jit(lambda x: x * 2, in_shardings=NamedSharding(mesh, P("dp")))
+try:
+    double.lower(jax.ShapeDtypeStruct((2 * n,), jnp.float32)).compile()
+    print("compiled")
+except jax.errors.JaxRuntimeError as e:
+    print(str(e).splitlines()[0])
+"""
+
+
+def test_the_cpu_device_limit_is_xlas(tmp_path):
+    """`cli.MAX_CPU_DEVICES`: XLA's CPU compiler compiles for 2048 devices in one
+    process, and not for one more. When a JAX release lifts the limit, this says
+    so."""
+    from jaxshard._verify.cli import MAX_CPU_DEVICES
+
+    (tmp_path / "cpu_devices.py").write_text(CPU_DEVICES)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    found = []
+    for n in (MAX_CPU_DEVICES, MAX_CPU_DEVICES + 1):
+        out = subprocess.run(
+            [sys.executable, str(tmp_path / "cpu_devices.py"), str(n)],
+            env={**env, "JAX_PLATFORMS": "cpu"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr
+        found.append(out.stdout.strip())
+    assert found == [
+        "compiled",
+        "INVALID_ARGUMENT: Multiprocess computations aren't implemented on the CPU "
+        "backend.",
+    ]
+
+
 @pytest.mark.parametrize(
     "values",
     [
@@ -318,6 +437,40 @@ def test_other_contract_failures_exit_1(run):
         (
             ["model:layer", "--mesh", "dp=4", *DIMS, "--hbm-budget", "0"],
             "--hbm-budget takes a number of bytes; got 0",
+        ),
+        (
+            ["model:layer", "--mesh", "dp=4", *DIMS, "--devices", "0"],
+            "--devices takes a number of CPU devices to simulate, from 1 to 2048; "
+            "got 0.",
+        ),
+        (
+            ["model:layer", "--mesh", "dp=4", *DIMS, "--devices", "-3"],
+            "from 1 to 2048; got -3.",
+        ),
+        (
+            ["model:layer", "--mesh", "dp=4", *DIMS, "--devices", "4096"],
+            "--devices 4096: a run simulates at most 2048 CPU devices",
+        ),
+        (
+            ["model:layer", "--mesh", "dp=4", *DIMS, "--devices", "2"],
+            "the mesh dp=4 needs 4 devices; --devices 2 simulates 2. Give --devices 4",
+        ),
+        (
+            [
+                "model:layer",
+                "--mesh",
+                "dp=4",
+                *DIMS,
+                "--devices",
+                "0",
+                "--topology",
+                "v5e:2x2",
+            ],
+            "--devices is for CPU meshes; it conflicts with --topology",
+        ),  # fmt: skip
+        (
+            ["model:forward", "--mesh", "dp=4", *DIMS, "--values", "params=nowhere:p"],
+            "cannot import module 'nowhere'",
         ),
     ],
 )
