@@ -18,10 +18,13 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     that was there keeps its permission bits; a new one gets the umask's. A symbolic
     link is followed: the file it points to is replaced, the link kept.
     """
-    path = os.path.realpath(os.fspath(path))
+    given, path = os.fspath(path), os.path.realpath(path)
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
-    temp, fd = _new_file(path)
+    try:
+        temp, fd = _new_file(path)
+    except OSError as e:  # a folder one may not write to: say so of the file asked for
+        raise type(e)(e.errno, e.strerror, given) from None
     try:
         with open(fd, "w", encoding="utf-8") as f:
             f.write(text)

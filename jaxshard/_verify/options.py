@@ -422,9 +422,9 @@ def _load_object(target: str, what: str) -> Any:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
-            if e.name and f"{module_name}.".startswith(
-                f"{e.name}."
-            ):  # it, or its package
+            # No such module (or package of it): a usage error. A module the model
+            # imports that is missing is the model's failure.
+            if f"{module_name}.".startswith(f"{e.name}."):
                 raise ValueError(f"cannot import module {module_name!r}: {e}") from None
             raise CodeFailed(_raised(f"{importing} {module_name}", e)) from e
         except (Exception, SystemExit) as e:

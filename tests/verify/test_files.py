@@ -57,6 +57,19 @@ def test_a_failed_save_leaves_the_old_file(report, tmp_path, monkeypatch, save, 
     assert written(tmp_path) == {"golden.json"}
 
 
+def test_a_folder_one_may_not_write_to(report, tmp_path, monkeypatch):
+    """The error names the file the user asked for, not the temporary one."""
+
+    def refused(name, *args):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), name)
+
+    monkeypatch.setattr(files.os, "open", refused)
+    golden = tmp_path / "golden.json"
+    with pytest.raises(PermissionError) as e:
+        report.save(golden)
+    assert e.value.filename == str(golden) and written(tmp_path) == set()
+
+
 def test_a_successful_save_replaces_the_file_and_keeps_its_mode(report, tmp_path):
     golden = tmp_path / "golden.json"
     golden.write_text(OLD)
