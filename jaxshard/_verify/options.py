@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._errors import did_you_mean
-from .collectives import _relative
+from .frames import _relative
 
 
 # The most CPU devices a run simulates: XLA's CPU compiler refuses a program for more

@@ -18,7 +18,7 @@ from .._annotations.spec import (
 from .._jax_internals import varying_axes
 from .._sharding.describe import describe_array, describe_sharding
 from .._sharding.sites import call_numbers, describe_call, Site
-from .collectives import _relative
+from .frames import _relative
 from .report import (
     Row,
 )

@@ -47,7 +47,8 @@ from .budgets import (
     sharding_budget_rows,
     unused_note,
 )
-from .collectives import _is_user_code, collectives, user_frames_by_op
+from .collectives import collectives
+from .frames import _is_user_code, user_frames_by_op
 from .moved import incompatible_devices, onto_mesh, values_onto_mesh
 from .recorder import Recorder
 from .report import (

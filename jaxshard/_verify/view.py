@@ -16,7 +16,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from .._annotations.spec import format_spec
-from .collectives import _relative, distinct
+from .collectives import distinct
+from .frames import _relative
 
 
 def view(report: Any) -> dict:

@@ -14,7 +14,11 @@ from jax.sharding import PartitionSpec as P
 
 import jaxshard
 from jaxshard import Float
-from jaxshard._verify import collectives as _collectives, snapshot as _snapshot
+from jaxshard._verify import (
+    collectives as _collectives,
+    frames as _frames,
+    snapshot as _snapshot,
+)
 from jaxshard._verify.collectives import KINDS as _KINDS
 
 
@@ -330,9 +334,9 @@ def test_the_value_checks_collectives_are_apart(mesh, tmp_path):
 def test_which_files_are_the_checks():
     from jaxshard._values import shard_map, stats
 
-    assert _collectives._is_check_code(stats.__file__)
-    assert not _collectives._is_check_code(shard_map.__file__)  # the model's blocks
-    assert not _collectives._is_check_code(__file__)
+    assert _frames._is_check_code(stats.__file__)
+    assert not _frames._is_check_code(shard_map.__file__)  # the model's blocks
+    assert not _frames._is_check_code(__file__)
 
 
 # --- through library code: flax NNX modules ------------------------------------------
@@ -344,7 +348,7 @@ def test_the_frames_of_a_compiled_program_reach_the_users_calls(auto_mesh):
     x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
     w = jax.ShapeDtypeStruct((32, 16), jnp.float32)
     text = jax.jit(layered).lower(x, w).compile().as_text()
-    frames = _collectives._Frames(text)
+    frames = _frames._Frames(text)
     ids = re.findall(r'op_name="[^"]*dot_general".*?stack_frame_id=(\d+)', text)
     chains = {frames.user_chain(int(i)) for i in ids}
     assert chains and all(
