@@ -99,12 +99,18 @@ def _show(args: argparse.Namespace) -> int:
         print(message, file=sys.stderr)
         return 2
     if args.html is None:
-        print(summary(data))
+        print(_printable(summary(data)))
         return 0
     if args.html == "-":
         sys.stdout.write(page(data))
         return 0
     return 0 if _wrote(args.html, lambda: page(data)) else 2
+
+
+def _printable(text: str) -> str:
+    """`text` with its control characters (a hostile snapshot's terminal escape
+    sequences) shown as escapes instead of sent to the terminal."""
+    return "".join(c if c in "\n\t" or c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _start_jax() -> None:

@@ -132,6 +132,17 @@ def test_show_exits_2(good, tmp_path, capsys, case):
     assert not (tmp_path / "page.html").exists()
 
 
+def test_show_sends_no_escape_sequence_to_the_terminal(good, tmp_path, capsys):
+    """A snapshot's strings may hold anything: `show` prints their control
+    characters as escapes, so a hostile one cannot drive the terminal."""
+    data = copy.deepcopy(good)
+    data["function"] = "layer\x1b]0;pwned\x07\x1b[2J"
+    assert cli.main(["show", written(data, tmp_path)]) == 0
+    out, _ = capsys.readouterr()
+    assert "\x1b" not in out and "\x07" not in out
+    assert "layer\\x1b]0;pwned\\x07\\x1b[2J on mesh" in out
+
+
 def test_a_format_of_true_is_no_format(good, auto_mesh, tmp_path, capsys):
     """`true == 1` in Python: a snapshot whose format is `true` is refused."""
     path = written(broken(good, ("jaxshard_snapshot",), True), tmp_path)
