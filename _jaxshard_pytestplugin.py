@@ -95,11 +95,13 @@ def pytest_configure(config):
 
 def _default_rules(target: str) -> None:
     import jaxshard
-    from jaxshard._verify.options import _load_object
+    from jaxshard._verify.options import _call, _load_object
 
     try:
         table = _load_object(target, "--jaxshard-rules")
-        jaxshard.config.update("axis_rules", table() if callable(table) else table)
+        if callable(table):
+            table = _call(table, f"calling {target}()")
+        jaxshard.config.update("axis_rules", table)
     except (ValueError, TypeError, ImportError) as e:
         raise pytest.UsageError(f"--jaxshard-rules {target}: {e}") from None
 

@@ -460,6 +460,15 @@ def test_rules():
     )
     assert result.ret != 0
     result.stderr.fnmatch_lines(["*--jaxshard-rules model:nothing*no attribute*"])
+    pytester.makepyfile(rules="def table():\n    raise KeyError('mlp')\n")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--jaxshard-rules", "rules:table"
+    )
+    assert result.ret != 0  # a usage error, in one line
+    result.stderr.fnmatch_lines(
+        ["*--jaxshard-rules rules:table: calling rules:table() raised KeyError*"]
+    )
+    assert "Traceback" not in result.stderr.str()
 
 
 def test_sharding_off_reads_no_logical_spec(explicit_mesh, auto_mesh):
