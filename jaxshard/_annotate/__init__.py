@@ -1,0 +1,1 @@
+"""`jaxshard.annotate`: contracts written for you, from a model observed on a mesh."""
