@@ -39,6 +39,10 @@ if TYPE_CHECKING:  # `Float[Array, "b d", P("dp")]` reads as `Array`
         ScalarLike as ScalarLike,
     )
 
+    from ._annotate.annotate import (
+        annotate as annotate,
+        Annotations as Annotations,
+    )
     from ._annotations.indirection import (
         BFloat16 as BFloat16,
         Bool as Bool,
@@ -180,6 +184,8 @@ _FROM_JAXTYPING = (
 # than `import jax`: each name, and the module that defines it.
 _ON_FIRST_USE = {
     "abstract_args": "._verify.abstract",
+    "annotate": "._annotate.annotate",
+    "Annotations": "._annotate.annotate",
     "ArrayRow": "._sharding.summary",
     "Collective": "._verify.collectives",
     "device_put": "._sharding.place",
@@ -218,6 +224,8 @@ def __dir__():
 
 __all__ = [
     "abstract_args",
+    "annotate",
+    "Annotations",
     "AbstractArray",
     "AbstractDtype",
     "AnnotationError",

@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._config import normalise
@@ -44,12 +44,16 @@ from .verify import verify
 MODEL_FAILED = 3  # the exit status when the function fails to trace or compile
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
+def main(argv: Sequence[str] | None = None, more: Sequence[Callable] = ()) -> int:
+    """The command line; `more` adds commands (see `options._parser`), each of
+    which sets `args.run(args, parser)`."""
+    parser = _parser(more)
     args = parser.parse_args(argv)
     if args.command == "show":  # reads a file: no JAX, no compiler
         return _show(args)
     _start_jax()
+    if hasattr(args, "run"):
+        return args.run(args, parser)
     from jaxtyping import AnnotationError
 
     try:

@@ -10,7 +10,7 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import did_you_mean
@@ -230,7 +230,9 @@ def _version() -> str:
     )
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(more: Sequence[Callable] = ()) -> argparse.ArgumentParser:
+    """The command line's parser; each of `more` adds a command to its
+    subparsers (`annotate`'s, from the package above)."""
     parser = _Parser(
         prog="python -m jaxshard",
         description="Check jaxshard's sharding contracts without running a program.",
@@ -268,6 +270,8 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument(
         "--html", metavar="PATH", help="write the page to PATH (- for stdout)"
     )
+    for add in more:
+        add(commands)
     return parser
 
 
