@@ -1,0 +1,142 @@
+"""`jaxshard.annotate`'s observation and inference: what each function of a model
+takes and returns, seen while the model is traced and compiled on a mesh, as
+contracts."""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxshard
+
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+sys.path.insert(0, os.path.abspath(EXAMPLES))
+import transformer  # noqa: E402
+
+
+SMALL = {"d": 64, "heads": 4, "hd": 16, "hidden": 128}
+DIMS = {**SMALL, "batch": 8, "seqlen": 32, "layers": 2}
+
+
+def mesh_of(kind: str):
+    types = (AxisType.Explicit if kind == "explicit" else AxisType.Auto,) * 3
+    return jax.make_mesh((2, 2, 2), ("dp", "fsdp", "tp"), axis_types=types)
+
+
+def by_name(found) -> dict:
+    return {f.qualname: f.annotations for f in found.functions}
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_the_transformers_layouts_are_its_hand_written_ones(kind):
+    found = jaxshard.annotate(transformer.model, mesh=mesh_of(kind), dims=DIMS)
+    seen = by_name(found)
+    x = 'Float[Array, "batch seqlen d", P(("dp", "fsdp"), None, None)]'
+    heads = 'Float[Array, "batch seqlen heads hd", P(("dp", "fsdp"), None, "tp", None)]'
+    assert seen["block"] == {"x": x, "return": x}
+    assert seen["project"] == {
+        "x": x,
+        "w": 'Float[Array, "d heads hd", P("fsdp", "tp", None)]',
+        "return": heads,
+    }
+    assert seen["attend"] == {"q": heads, "k": heads, "v": heads, "return": heads}
+    assert found.findings == ()
+    assert found.report.ok
+    # The weights come in as NamedTuples of arrays: a note says so.
+    (note,) = found.notes
+    assert "block: 'p'" in note and "pytrees of arrays" in note
+
+
+def mlp(x, w):
+    return jnp.tanh(x @ w)
+
+
+def model(x, w1, w2):
+    """Calls `mlp` twice: once on a batch split over dp, once on one split over
+    tp (the finding)."""
+    h = mlp(x, w1)
+    h = jax.lax.with_sharding_constraint(h, P(None, "tp"))
+    return mlp(h, w2)
+
+
+def test_a_parameter_laid_out_two_ways_is_a_finding(auto_mesh):
+    def sds(shape, spec):
+        return jax.ShapeDtypeStruct(
+            shape, jnp.float32, sharding=NamedSharding(auto_mesh, spec)
+        )
+
+    values = {
+        "x": sds((16, 8), P("dp", None)),
+        "w1": sds((8, 8), P()),
+        "w2": sds((8, 8), P()),
+    }
+    with pytest.warns(UserWarning, match="laid out differently"):
+        found = jaxshard.annotate(
+            model, mesh=auto_mesh, values=values, modules=[sys.modules[__name__]]
+        )
+    ((finding),) = [f for f in found.findings if f.name == "x"]
+    assert finding.function.qualname == "mlp"
+    assert {spec for spec, _ in finding.layouts} == {P("dp", None), P(None, "tp")}
+    assert str(finding).startswith("mlp: parameter 'x' P(")
+    assert "in 1 call" in str(finding) and "test_observe.py:" in str(finding)
+    # No layout for it; its shape and dtype still.
+    assert by_name(found)["mlp"]["x"] == 'Float[Array, "16 8"]'
+
+
+def test_a_size_two_names_share_is_written_as_a_number(auto_mesh):
+    dims = {**DIMS, "hd": 16, "seqlen": 16}  # two names of size 16
+    found = jaxshard.annotate(transformer.model, mesh=auto_mesh_3(), dims=dims)
+    assert by_name(found)["project"]["w"] == (
+        'Float[Array, "d heads 16", P("fsdp", "tp", None)]'
+    )
+
+
+def auto_mesh_3():
+    return mesh_of("auto")
+
+
+def test_logical_names_where_the_rules_map_back(auto_mesh):
+    """A layout is written in logical names where the rules give each split
+    dimension's axes one name; in mesh axes where they give several."""
+    rules = [("batch", ("dp", "fsdp")), ("heads", "tp"), ("embed", "fsdp")]
+    found = jaxshard.annotate(
+        transformer.model, mesh=auto_mesh_3(), dims=DIMS, rules=rules
+    )
+    seen = by_name(found)
+    assert seen["block"]["x"] == (
+        'Float[Array, "batch seqlen d", L("batch", None, None)]'
+    )
+    assert seen["project"]["w"] == (
+        'Float[Array, "d heads hd", L("embed", "heads", None)]'
+    )
+    rules.append(("mlp", "tp"))  # "tp" is "heads" or "mlp": no one name
+    found = jaxshard.annotate(
+        transformer.model, mesh=auto_mesh_3(), dims=DIMS, rules=rules
+    )
+    assert by_name(found)["project"]["w"] == (
+        'Float[Array, "d heads hd", P("fsdp", "tp", None)]'
+    )
+
+
+def test_vmap_and_scan_bodies_are_seen_per_example(auto_mesh):
+    def per_row(row):
+        return row * 2
+
+    def step(x):
+        return jax.vmap(per_row)(x)
+
+    x = jax.ShapeDtypeStruct(
+        (8, 4), jnp.float32, sharding=NamedSharding(auto_mesh, P("dp", None))
+    )
+    found = jaxshard.annotate(
+        step, mesh=auto_mesh, values={"x": x}, modules=[sys.modules[__name__]]
+    )
+    seen = by_name(found)
+    assert seen["test_vmap_and_scan_bodies_are_seen_per_example.<locals>.per_row"] == {
+        "row": 'Float[Array, "4", P(None)]',
+        "return": 'Float[Array, "4", P(None)]',
+    }
