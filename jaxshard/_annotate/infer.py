@@ -66,7 +66,7 @@ def functions(
     seen: list[Seen], dims: Mapping[str, int] | None, rules: Any = None
 ) -> tuple[list[Function], list[Finding]]:
     """The contracts of each function in `seen`, and the findings."""
-    names = _names(dims or {})
+    names = _names(dims or {}, seen)
     by_function: dict[tuple, dict[str, list[Seen]]] = {}
     for s in seen:
         key = (s.filename, s.qualname, s.lineno)
@@ -91,13 +91,28 @@ def _place(s: Seen) -> int:
     return s.position if s.position >= 0 else 1 << 30  # the return value last
 
 
-def _names(dims: Mapping[str, int]) -> dict[int, str]:
-    """Size -> the one name `dims` gives it (sizes several names share have none)."""
-    by_size = collections.defaultdict(list)
+def _names(dims: Mapping[str, int], seen: list[Seen]) -> dict[int, str]:
+    """Size -> its name: the one `dims` gives it, else the one that the existing
+    annotations give every dimension of that size they name (a name they give two
+    sizes is none; a size two names share has none)."""
+    by_size = collections.defaultdict(set)
     for name, size in dims.items():
         if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
-            by_size[int(size)].append(name)
-    return {size: named[0] for size, named in by_size.items() if len(named) == 1}
+            by_size[int(size)].add(name)
+    named = {size: next(iter(n)) for size, n in by_size.items() if len(n) == 1}
+    sizes = collections.defaultdict(set)  # name -> the sizes annotations give it
+    for s in seen:
+        for name, size in zip(s.named or (), s.shape):
+            if name is not None:
+                sizes[name].add(size)
+    found = collections.defaultdict(set)
+    for name, given in sizes.items():
+        if len(given) == 1 and name not in dims:
+            found[next(iter(given))].add(name)
+    for size, names in found.items():
+        if len(names) == 1 and size not in by_size:
+            named[size] = next(iter(names))
+    return named
 
 
 def _annotation(

@@ -9,6 +9,7 @@ one jaxshard's contracts use) reports it then.
 
 import collections
 import dataclasses
+import inspect
 import sys
 import threading
 from collections.abc import Iterable
@@ -17,6 +18,8 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from .._annotations.dims import dimension
+from .._annotations.hints import type_hints
 from .._jax_internals import bind_probe, context_mesh
 
 
@@ -35,6 +38,9 @@ class Seen:
     shape: tuple[int, ...]
     dtype: Any
     spec: PartitionSpec | None = None
+    # The names its existing annotation gives its dimensions (`None` for one it
+    # gives no name), if it has one.
+    named: tuple[str | None, ...] | None = None
 
 
 class Observer:
@@ -49,6 +55,7 @@ class Observer:
         self._lock = threading.Lock()  # probes report from XLA's threads
         self._calls: collections.Counter = collections.Counter()
         self._open: dict[int, tuple[Any, int]] = {}  # frame id -> (code, call)
+        self._hints: dict[Any, dict[str, Any]] = {}  # code -> its type hints
         self._previous: Any = None
 
     def __enter__(self) -> "Observer":
@@ -67,6 +74,8 @@ class Observer:
             call = self._calls[code]
             self._calls[code] += 1
             self._open[id(frame)] = (code, call)
+            if code not in self._hints:
+                self._hints[code] = _hints(code, frame.f_globals)
             for position, name in enumerate(_parameters(code)):
                 if name in frame.f_locals:
                     self._array(code, call, name, position, frame.f_locals[name])
@@ -90,6 +99,7 @@ class Observer:
             position=position,
             shape=tuple(aval.shape),
             dtype=aval.dtype,
+            named=_named(self._hints.get(code, {}).get(name), len(aval.shape)),
         )
         with self._lock:
             self.seen.append(seen)
@@ -97,13 +107,13 @@ class Observer:
             if isinstance(x.sharding, NamedSharding):
                 seen.spec = _spec(x.sharding, (), len(seen.shape))
             return
-        mesh = aval.sharding.mesh
-        if mesh.empty:
+        mesh, context = aval.sharding.mesh, context_mesh()
+        if not mesh.empty and set(mesh.axis_types) == {AxisType.Explicit}:
+            seen.spec = _spec(aval.sharding, (), len(seen.shape))  # in the type
             return
-        if set(mesh.axis_types) == {AxisType.Explicit}:  # in the type
-            seen.spec = _spec(aval.sharding, (), len(seen.shape))
-            return
-        bind_probe(x, lambda s, batch, _: self._layout(seen, s, batch), context_mesh())
+        if mesh.empty and context is None:
+            return  # on no mesh
+        bind_probe(x, lambda s, batch, _: self._layout(seen, s, batch), context)
 
     def _layout(self, seen: Seen, sharding: Any, batch_dims: tuple) -> None:
         """What a probe reports (on an XLA thread, or at once op by op): never
@@ -112,6 +122,35 @@ class Observer:
             seen.spec = _spec(sharding, batch_dims, len(seen.shape))
         except Exception:  # never raised on an XLA thread: the layout stays unknown
             seen.spec = None
+
+
+def _hints(code: Any, scope: dict) -> dict[str, Any]:
+    """The type hints of the function whose code is `code`, found by its qualified
+    name in its module's globals (none for a function defined in another's body)."""
+    obj: Any = scope
+    for part in code.co_qualname.split("."):
+        if part == "<locals>":
+            return {}
+        obj = obj.get(part) if isinstance(obj, dict) else getattr(obj, part, None)
+        if obj is None:
+            return {}
+    function = inspect.unwrap(getattr(obj, "__func__", obj))
+    if getattr(function, "__code__", None) is not code:
+        return {}
+    return type_hints(function)
+
+
+def _named(hint: Any, ndim: int) -> tuple[str | None, ...] | None:
+    """The names a jaxtyping annotation gives the dimensions of an array of `ndim`
+    dimensions (`None` for a size, an expression or an unnamed one), if it gives
+    one per dimension."""
+    text = getattr(hint, "dim_str", None)
+    if not isinstance(text, str):
+        return None
+    found = [dimension(token, i) for i, token in enumerate(text.split())]
+    if len(found) != ndim or any(d.kind == "variadic" for d in found):
+        return None
+    return tuple(d.name if d.kind == "named" and d.checked else None for d in found)
 
 
 def _parameters(code: Any) -> tuple[str, ...]:
@@ -125,7 +164,7 @@ def _spec(sharding: Any, batch_dims: tuple, ndim: int) -> PartitionSpec:
     """The spec of `sharding` over the array's own `ndim` dimensions (`vmap`'s
     removed), padded to its rank: `P()` on one device."""
     if not isinstance(sharding, NamedSharding):
-        if len(sharding.device_set) == 1:
+        if len(sharding.device_set) == 1 or sharding.is_fully_replicated:
             return PartitionSpec(*[None] * ndim)
         raise ValueError(f"{sharding} names no mesh axes")
     entries = list(sharding.spec) + [None] * (

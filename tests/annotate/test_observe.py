@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxshard
+from jaxshard import Array, Float
 
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
@@ -139,4 +140,31 @@ def test_vmap_and_scan_bodies_are_seen_per_example(auto_mesh):
     assert seen["test_vmap_and_scan_bodies_are_seen_per_example.<locals>.per_row"] == {
         "row": 'Float[Array, "4", P(None)]',
         "return": 'Float[Array, "4", P(None)]',
+    }
+
+
+def inner(h, w):
+    return jnp.tanh(h @ w)
+
+
+def outer(x: Float[Array, "batch d"], w: Float[Array, "d e"]):
+    return inner(x, w)
+
+
+def test_names_the_existing_annotations_give_carry_over(auto_mesh):
+    """With no dims, a size takes the name the annotations already written give it:
+    the batch of every activation is `batch`."""
+    values = {
+        "x": jax.ShapeDtypeStruct(
+            (16, 8), jnp.float32, sharding=NamedSharding(auto_mesh, P("dp", None))
+        ),
+        "w": jax.ShapeDtypeStruct((8, 4), jnp.float32),
+    }
+    found = jaxshard.annotate(
+        outer, mesh=auto_mesh, values=values, modules=[sys.modules[__name__]]
+    )
+    assert by_name(found)["inner"] == {
+        "h": 'Float[Array, "batch d", P("dp", None)]',
+        "w": 'Float[Array, "d e", P(None, None)]',
+        "return": 'Float[Array, "batch e", P("dp", None)]',
     }
