@@ -1,0 +1,392 @@
+"""One file's source with its contracts written in: each function found by its
+qualified name (and line, where names repeat), its unannotated parameters and return
+value annotated, `@jaxshard.jaxtyped(typechecker=beartype)` directly above its `def`,
+and the imports the written annotations need.
+
+libcst gives back the code it did not change byte for byte; a signature made longer
+than a line is laid out as ruff lays it out, one parameter a line.
+"""
+
+import ast
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import libcst as cst
+from libcst.metadata import ClassScope, MetadataWrapper, PositionProvider, ScopeProvider
+
+from .contracts import Contract, Import, Kept, Missing, relative
+from .imports import add_imports, LINE_LENGTH, Naming, Unnameable
+
+
+# The decorator that checks a function's annotations, and what it needs imported.
+JAXTYPED = "jaxshard.jaxtyped(typechecker=beartype)"
+JAXTYPED_IMPORTS = (Import("jaxshard"), Import("beartype", "beartype"))
+# Decorators that already check the annotations of the function they decorate.
+_CHECKERS = frozenset({"jaxtyped", "beartype"})
+
+
+@dataclasses.dataclass
+class Edited:
+    """A file's source with its contracts written, and what was not written."""
+
+    source: bytes
+    kept: list[Kept]
+    missing: list[Missing]
+
+
+def edit(source: bytes, contracts: Sequence[Contract]) -> Edited:
+    """`source` (a file's bytes) with `contracts` written into it."""
+    try:
+        module = cst.parse_module(source)
+    except cst.ParserSyntaxError as e:
+        reason = f"its file does not parse (line {e.raw_line}: {e.message})"
+        return Edited(source, [], [Missing(c, None, reason) for c in contracts])
+    if module.encoding.lower().replace("_", "-") not in ("utf-8", "utf-8-sig"):
+        reason = f"its file is encoded in {module.encoding}: only UTF-8 is written"
+        return Edited(source, [], [Missing(c, None, reason) for c in contracts])
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    found, missing = _locate(wrapper, contracts)
+    writer = _Writer(found, wrapper.resolve(ScopeProvider), module.default_indent)
+    written = module.visit(writer)
+    written = add_imports(written, writer.imports)
+    return Edited(written.bytes, writer.kept, missing + writer.missing)
+
+
+def _locate(
+    wrapper: MetadataWrapper, contracts: Sequence[Contract]
+) -> tuple[dict[cst.FunctionDef, list[Contract]], list[Missing]]:
+    """The `def` of each contract, and the contracts whose `def` is not there."""
+    positions = wrapper.resolve(PositionProvider)
+    defs: dict[str, list[cst.FunctionDef]] = {}
+    for qualname, node in _definitions(wrapper.module, ""):
+        defs.setdefault(qualname, []).append(node)
+    found: dict[cst.FunctionDef, list[Contract]] = {}
+    missing = []
+    for contract in contracts:
+        node, reason = _pick(defs.get(contract.qualname, []), contract, positions)
+        if node is None:
+            missing.append(Missing(contract, None, reason))
+        else:
+            found.setdefault(node, []).append(contract)
+    return found, missing
+
+
+def _definitions(
+    node: cst.CSTNode, prefix: str
+) -> Iterator[tuple[str, cst.FunctionDef]]:
+    """Each function defined at module level or in a class (at any depth, and in
+    `if`, `try`, ... blocks), with its qualified name; not those in functions."""
+    for child in node.children:
+        if isinstance(child, cst.FunctionDef):
+            yield prefix + child.name.value, child
+        elif isinstance(child, cst.ClassDef):
+            yield from _definitions(child.body, f"{prefix}{child.name.value}.")
+        else:
+            yield from _definitions(child, prefix)
+
+
+def _pick(
+    nodes: list[cst.FunctionDef], contract: Contract, positions
+) -> tuple[cst.FunctionDef | None, str]:
+    """The `def` that `contract` is about, or `None` and why none is."""
+    if "<locals>" in contract.qualname.split("."):
+        return None, (
+            "it is defined inside another function, whose annotations are not "
+            "written (only functions of modules and methods of classes are)"
+        )
+    if not nodes:
+        return None, f"{relative(contract.filename)} has no def of that name"
+    if len(nodes) > 1:
+
+        def spans(node: cst.FunctionDef) -> bool:
+            first = node.decorators[0] if node.decorators else node
+            start = positions[first].start.line
+            return start <= contract.lineno <= positions[node.name].start.line
+
+        at = [node for node in nodes if spans(node)]
+        if len(at) != 1:
+            lines = ", ".join(str(positions[n.name].start.line) for n in nodes)
+            return None, (
+                f"{relative(contract.filename)} defines it {len(nodes)} times (lines "
+                f"{lines}), and {'none' if not at else 'several'} at line "
+                f"{contract.lineno}"
+            )
+        nodes = at
+    if nodes[0].asynchronous is not None:
+        return None, "it is an async def, left as it is"
+    return nodes[0], ""
+
+
+class _Writer(cst.CSTTransformer):
+    """Writes the contracts of each `def` in `found`, collecting the imports the
+    written annotations need, the annotations kept and those not written."""
+
+    def __init__(self, found: dict, scopes, indent: str):
+        super().__init__()
+        self.found, self.scopes, self.indent = found, scopes, indent
+        self.blocks: list[str] = []  # the indentation of each enclosing block
+        self.imports: set[Import] = set()
+        self.kept: list[Kept] = []
+        self.missing: list[Missing] = []
+
+    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
+        self.blocks.append(self.indent if node.indent is None else node.indent)
+
+    def leave_IndentedBlock(
+        self, original: cst.IndentedBlock, updated: cst.IndentedBlock
+    ) -> cst.IndentedBlock:
+        self.blocks.pop()
+        return updated
+
+    def leave_FunctionDef(
+        self, original: cst.FunctionDef, updated: cst.FunctionDef
+    ) -> cst.FunctionDef:
+        contracts = self.found.get(original, ())
+        if not contracts:
+            return updated
+        scope = self.scopes[original]
+        method = isinstance(scope, ClassScope) and not _decorated(
+            original, "staticmethod"
+        )
+        changed = False
+        for contract in contracts:
+            naming = Naming(scope, (*contract.imports, *JAXTYPED_IMPORTS))
+            updated, added = self._annotated(updated, contract, naming, method)
+            changed |= added
+            updated = self._decorated(updated, contract, naming)
+        if changed and _width(updated, "".join(self.blocks)) > LINE_LENGTH:
+            if not _has_comment(updated.params):
+                updated = _one_per_line(updated, self.indent)
+        return updated
+
+    def _annotated(
+        self, node: cst.FunctionDef, contract: Contract, naming: Naming, method: bool
+    ) -> tuple[cst.FunctionDef, bool]:
+        """`node` with the annotations of `contract` where it has none; and whether
+        any was written."""
+        params = node.params
+        implicit = [*params.posonly_params, *params.params][:1] if method else []
+        added = False
+        for name, text in contract.params.items():
+            param, reason = _param(params, name, implicit)
+            if param is None:
+                self.missing.append(Missing(contract, name, reason))
+                continue
+            if _defaults_to_none(param) and not text.replace(" ", "").endswith("|None"):
+                text = f"{text} | None"  # `mask=None`: the default is allowed too
+            annotation = self._annotation(
+                contract, name, text, param.annotation, naming
+            )
+            if annotation is not None:
+                params = _with_param(params, _annotate(param, annotation))
+                added = True
+        node = node.with_changes(params=params)
+        if contract.returns is not None:
+            annotation = self._annotation(
+                contract, "return", contract.returns, node.returns, naming
+            )
+            if annotation is not None:
+                node, added = node.with_changes(returns=annotation), True
+        return node, added
+
+    def _annotation(
+        self,
+        contract: Contract,
+        name: str,
+        text: str,
+        existing: cst.Annotation | None,
+        naming: Naming,
+    ) -> cst.Annotation | None:
+        """The annotation to write, or `None` where there is one already (reported
+        if it says something else) or it cannot be written (reported)."""
+        try:
+            expression, needed = naming.expression(text)
+        except Unnameable as e:
+            self.missing.append(Missing(contract, name, f"{_what(name)}: {e}"))
+            return None
+        if existing is not None:
+            proposed = _code(expression)
+            if not _same(_code(existing.annotation), proposed):
+                self.kept.append(
+                    Kept(contract, name, _code(existing.annotation), proposed)
+                )
+            return None
+        self.imports |= needed
+        return cst.Annotation(annotation=expression)
+
+    def _decorated(
+        self, node: cst.FunctionDef, contract: Contract, naming: Naming
+    ) -> cst.FunctionDef:
+        """`node` with `@jaxshard.jaxtyped(typechecker=beartype)` directly above its
+        `def`, unless a checker decorates it already or it has no annotations."""
+        params = node.params
+        every = [*params.posonly_params, *params.params, *params.kwonly_params]
+        annotated = node.returns is not None or any(p.annotation for p in every)
+        if not annotated or any(_checker(d) for d in node.decorators):
+            return node
+        try:
+            expression, needed = naming.expression(JAXTYPED)
+        except Unnameable as e:
+            reason = f"no @{JAXTYPED} written: {e}"
+            self.missing.append(Missing(contract, None, reason))
+            return node
+        self.imports |= needed
+        decorator = cst.Decorator(decorator=expression)
+        return node.with_changes(decorators=[*node.decorators, decorator])
+
+
+def _param(
+    params: cst.Parameters, name: str, implicit: list[cst.Param]
+) -> tuple[cst.Param | None, str]:
+    """The parameter `name` if it may be annotated, else `None` and why not."""
+    for param in (*params.posonly_params, *params.params, *params.kwonly_params):
+        if param.name.value == name:
+            if any(param is p for p in implicit):
+                return None, f"parameter {name!r} is the method's own, never annotated"
+            return param, ""
+    for star, param in (("*", params.star_arg), ("**", params.star_kwarg)):
+        if isinstance(param, cst.Param) and param.name.value == name:
+            return None, f"parameter {star}{name} is never annotated"
+    return None, f"it has no parameter {name!r}"
+
+
+def _defaults_to_none(param: cst.Param) -> bool:
+    return isinstance(param.default, cst.Name) and param.default.value == "None"
+
+
+def _annotate(param: cst.Param, annotation: cst.Annotation) -> cst.Param:
+    """`x=1` is `x: T = 1` once annotated, as PEP 8 writes it."""
+    equal = param.equal
+    if param.default is not None:
+        space = cst.SimpleWhitespace(" ")
+        equal = cst.AssignEqual(whitespace_before=space, whitespace_after=space)
+    return param.with_changes(annotation=annotation, equal=equal)
+
+
+def _with_param(params: cst.Parameters, new: cst.Param) -> cst.Parameters:
+    """`params` with the parameter named as `new` replaced by it."""
+
+    def swap(param: cst.Param) -> cst.Param:
+        return new if param.name.value == new.name.value else param
+
+    return params.with_changes(
+        posonly_params=[swap(p) for p in params.posonly_params],
+        params=[swap(p) for p in params.params],
+        kwonly_params=[swap(p) for p in params.kwonly_params],
+    )
+
+
+def _what(name: str) -> str:
+    return "the return value" if name == "return" else f"parameter {name!r}"
+
+
+def _decorated(node: cst.FunctionDef, name: str) -> bool:
+    return any(_decorator_name(d) == name for d in node.decorators)
+
+
+def _checker(decorator: cst.Decorator) -> bool:
+    """`@jaxtyped(...)`, `@jaxshard.jaxtyped(...)`, `@beartype`, ...: a decorator
+    that checks annotations already."""
+    return _decorator_name(decorator) in _CHECKERS
+
+
+def _decorator_name(decorator: cst.Decorator) -> str | None:
+    """The last name of a decorator, called or not (`jaxtyped` of
+    `@jt.jaxtyped(typechecker=beartype)`)."""
+    expression = decorator.decorator
+    if isinstance(expression, cst.Call):
+        expression = expression.func
+    if isinstance(expression, cst.Attribute):
+        return expression.attr.value
+    return expression.value if isinstance(expression, cst.Name) else None
+
+
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module(body=[]).code_for_node(node)
+
+
+def _same(existing: str, proposed: str) -> bool:
+    """Whether two annotations are the same expression, however spaced or quoted
+    (a string annotation is the expression it holds)."""
+
+    def tree(text: str) -> str:
+        try:
+            node = ast.parse(text.strip(), mode="eval").body
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                node = ast.parse(node.value.strip(), mode="eval").body
+        except SyntaxError:
+            return text
+        return ast.dump(node)
+
+    return tree(existing) == tree(proposed)
+
+
+def _has_comment(node: cst.CSTNode) -> bool:
+    return isinstance(node, cst.Comment) or any(_has_comment(c) for c in node.children)
+
+
+def _width(node: cst.FunctionDef, prefix: str) -> int:
+    """The widest line of `node`'s signature, from `def` to its colon, indented by
+    `prefix` (tabs count 4)."""
+    body = cst.SimpleStatementSuite(body=[cst.Expr(cst.Ellipsis())])
+    header = node.with_changes(
+        decorators=[], leading_lines=[], lines_after_decorators=[], body=body
+    )
+    code = _code(header).rstrip("\n").removesuffix(" ...")
+    return max(len((prefix + line).expandtabs(4)) for line in code.split("\n"))
+
+
+def _one_per_line(node: cst.FunctionDef, indent: str) -> cst.FunctionDef:
+    """`node`'s signature as ruff lays out one too long for a line: each parameter
+    on its own line (indented by `indent` more than the `def`), with a comma."""
+    params = node.params
+    if not _elements(params):
+        return node
+
+    def newline(last: str) -> cst.ParenthesizedWhitespace:
+        return cst.ParenthesizedWhitespace(
+            first_line=cst.TrailingWhitespace(),
+            empty_lines=[],
+            indent=True,
+            last_line=cst.SimpleWhitespace(last),
+        )
+
+    count = len(_elements(params))
+    commas = iter(
+        cst.Comma(whitespace_after=newline(indent if i < count - 1 else ""))
+        for i in range(count)
+    )
+
+    def laid(element):
+        if element is None or isinstance(element, cst.MaybeSentinel):
+            return element
+        if isinstance(element, cst.Param):
+            none = cst.SimpleWhitespace("")
+            return element.with_changes(comma=next(commas), whitespace_after_param=none)
+        if isinstance(element, cst.ParamSlash):
+            none = cst.SimpleWhitespace("")
+            return element.with_changes(comma=next(commas), whitespace_after=none)
+        return element.with_changes(comma=next(commas))  # a bare `*`
+
+    laid_out = params.with_changes(
+        posonly_params=[laid(p) for p in params.posonly_params],
+        posonly_ind=laid(params.posonly_ind),
+        params=[laid(p) for p in params.params],
+        star_arg=laid(params.star_arg),
+        kwonly_params=[laid(p) for p in params.kwonly_params],
+        star_kwarg=laid(params.star_kwarg),
+    )
+    return node.with_changes(params=laid_out, whitespace_before_params=newline(indent))
+
+
+def _elements(params: cst.Parameters) -> list[cst.CSTNode]:
+    """The parameters, `/` and bare `*` of a signature, in order."""
+    every = [
+        *params.posonly_params,
+        params.posonly_ind,
+        *params.params,
+        params.star_arg,
+        *params.kwonly_params,
+        params.star_kwarg,
+    ]
+    return [e for e in every if isinstance(e, cst.CSTNode)]
