@@ -306,12 +306,15 @@ def device_put(
     and `list[Block]`, `tuple[...]`, `dict[...]` and `PyTree[...]` fields; an nnx
     `Param` with no annotation is placed as its own sharding metadata says
     (`nnx.with_partitioning`), and so is a flax linen box. Logical names are resolved
-    under the rules in force. Arrays whose annotation states no sharding stay as
-    they are. A new tree is returned; `tree` is unchanged.
+    under the rules in force. An array whose layout nothing states (no annotation,
+    or one without a spec, and no metadata: a LayerNorm's scale) is replicated over
+    the mesh, unless it is laid out on it already, so that the whole tree ends up
+    on the mesh. A new tree is returned; `tree` is unchanged.
 
     As `jax.device_put` and `eqx.filter_shard` do, it works on any kind of leaf:
 
-    - arrays (and numpy arrays) are placed with `jax.device_put`;
+    - arrays (and numpy arrays) are placed with `jax.device_put`; a numpy array
+        whose layout nothing states stays a numpy array;
     - inside `jax.jit`, tracers are constrained as `jaxshard.constrain` does (a
         sharding constraint on Auto axes, `reshard` on Explicit ones): a model
         created inside a jitted function comes out placed, so that it never exists
@@ -358,24 +361,29 @@ def device_put(
     found, treedef, target = checked_plan(
         tree, mesh, annotation, rules, "jaxshard.device_put"
     )
-    placed = [f for f in found if f.spec is not None]
-    if not placed:
-        return tree
+    loose = [f.value for f in found if f.spec is None and _concrete(f.value)]
+    if target is None and loose:
+        target = find_mesh(mesh, loose, "jaxshard.device_put")
     done: dict[int, Any] = {}
-    eager = []
+    eager, shardings = [], []
     for i, f in enumerate(found):
         if f.spec is None:
-            continue
-        if isinstance(f.value, jax.ShapeDtypeStruct):
+            sharding = _unstated(f.value, target)
+            if sharding is not None:
+                eager.append(i)
+                shardings.append(sharding)
+        elif isinstance(f.value, jax.ShapeDtypeStruct):
             sharding = NamedSharding(target, _input_spec(f.spec))
             done[i] = _abstract(f.value, sharding)
         elif isinstance(f.value, jax.core.Tracer):
             done[i] = lay_out(f.value, f.spec, _laid_out_on(f, target)[0])
         else:
             eager.append(i)
+            shardings.append(_eager_sharding(f, target))
+    if not eager and not done:
+        return tree
     if eager:
         values = [found[i].value for i in eager]
-        shardings = [_eager_sharding(found[i], target) for i in eager]
         done.update(zip(eager, jax.device_put(values, shardings)))
     leaves = [
         _rebox(f.leaf, done[i]) if i in done else f.leaf for i, f in enumerate(found)
@@ -441,6 +449,31 @@ def _eager_sharding(f: Planned, mesh: Any) -> NamedSharding:
     same = isinstance(sharding, NamedSharding) and sharding.mesh == mesh
     spec = fill_unconstrained(f.spec, sharding.spec if same else (), mesh.shape)
     return NamedSharding(mesh, spec)
+
+
+def _concrete(value: Any) -> bool:
+    return isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
+
+
+def _unstated(value: Any, mesh: Any) -> NamedSharding | None:
+    """Where a concrete array whose layout nothing states goes on `mesh`: replicated
+    over it (a LayerNorm's scale made on one device), unless it is laid out on it
+    already; laid out as it is, on a mesh of the same axes and devices. `None`
+    where it stays as it is (a tracer, whose layout is `jit`'s to choose; an
+    abstract or numpy array; anything that is not an array)."""
+    if not (_concrete(value) and isinstance(mesh, jax.sharding.Mesh)):
+        return None
+    sharding = value.sharding
+    if isinstance(sharding, NamedSharding):
+        if sharding.mesh == mesh:
+            return None
+        same = (sharding.mesh.shape_tuple, sharding.mesh.device_ids.tolist()) == (
+            mesh.shape_tuple,
+            mesh.device_ids.tolist(),
+        )
+        if same:
+            return NamedSharding(mesh, sharding.spec)
+    return NamedSharding(mesh, PartitionSpec())
 
 
 def _rebox(leaf: Any, value: Any) -> Any:

@@ -26,7 +26,7 @@ MISSING = [("mlp", "fsdp"), ("embed", "dp")]  # "fsdp" is no axis of the mesh
 class Block(eqx.Module):
     up: Float[Array, "d h", P(None, "tp")]
     down: Float[Array, "h d", L("mlp", "embed")]
-    scale: Float[Array, " d"]  # no sharding: stays as it is
+    scale: Float[Array, " d"]  # no sharding: replicated over the mesh
     act: object = jax.nn.relu  # not an array
 
 
@@ -70,8 +70,10 @@ def test_equinox_module_placed_as_annotated(mesh):
         assert spec(block.up) == P(None, "tp")
         assert spec(block.down) == P("tp", "dp")  # L("mlp", "embed") under RULES
         assert block.scale is not None and block.act is jax.nn.relu
-    # Unannotated with a spec: as it was; the input tree is unchanged.
-    assert placed.blocks[0].scale is model.blocks[0].scale
+    # Annotated without a spec: replicated over the mesh; the input tree is
+    # unchanged.
+    assert placed.blocks[0].scale.sharding == NamedSharding(mesh, P())
+    assert len(model.blocks[0].scale.sharding.device_set) == 1
     assert model.embed.sharding != placed.embed.sharding
     np.testing.assert_array_equal(placed.embed, model.embed)
 
@@ -243,11 +245,54 @@ def test_one_arrays_annotation_for_a_tree_says_so(mesh):
         assert "Give the tree's annotation" in text
 
 
+class LinenBlock(nn.Module):
+    """A linen layer whose kernel carries its partitioning and whose LayerNorm's
+    scale and bias carry none."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_logical_partitioning(nn.initializers.ones, ("embed", "mlp"))
+        return nn.Dense(4, kernel_init=init, use_bias=False)(nn.LayerNorm()(x))
+
+
+def test_what_nothing_lays_out_is_replicated_over_the_mesh(mesh):
+    """Arrays made on one device whose layout nothing states (no annotation, no
+    metadata): replicated over the mesh, not left on device 0; one laid out on the
+    mesh already stays as it is."""
+    variables = LinenBlock().init(jax.random.key(0), jnp.ones((2, 8)))  # one device
+    assert len(variables["params"]["LayerNorm_0"]["scale"].sharding.device_set) == 1
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        placed = jaxshard.device_put(variables)
+    params = placed["params"]
+    assert spec(params["Dense_0"]["kernel"].value) == P("dp", "tp")
+    for name in ("scale", "bias"):
+        assert params["LayerNorm_0"][name].sharding == NamedSharding(mesh, P())
+    kept = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("dp")))
+    tree = {"w": jnp.ones((8, 4)), "kept": kept, "host": np.ones(3), "n": 3}
+    out = jaxshard.device_put(tree, mesh)
+    assert out["w"].sharding == NamedSharding(mesh, P())
+    assert out["kept"] is kept and out["n"] == 3
+    assert isinstance(out["host"], np.ndarray)  # a numpy array stays one
+
+
+def test_what_nothing_lays_out_moves_to_a_mesh_of_the_same_devices(mesh):
+    """An array laid out on a mesh of the same axes and devices (another axis type)
+    keeps its layout on the new one."""
+    other = AxisType.Explicit if mesh.axis_types[0] == AxisType.Auto else AxisType.Auto
+    twin = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(other, other))
+    x = jax.device_put(jnp.ones((8, 4)), NamedSharding(twin, P(None, "tp")))
+    assert jaxshard.device_put({"x": x}, mesh)["x"].sharding == NamedSharding(
+        mesh, P(None, "tp")
+    )
+
+
 def test_no_mesh_says_how_to_give_one():
     with pytest.raises(ValueError, match="needs a mesh"):
         jaxshard.device_put(init(jax.random.key(0)), rules=RULES)
     with pytest.raises(TypeError, match="`mesh` takes a jax.sharding.Mesh"):
         jaxshard.device_put(init(jax.random.key(0)), "mesh")
+    with pytest.raises(ValueError, match="needs a mesh"):  # arrays to replicate
+        jaxshard.device_put({"w": jnp.ones(4)})
 
 
 # --- the test decoders, on an 8-device mesh ------------------------------------------
