@@ -81,7 +81,7 @@ def _definitions(
             yield prefix + child.name.value, child
         elif isinstance(child, cst.ClassDef):
             yield from _definitions(child.body, f"{prefix}{child.name.value}.")
-        else:
+        elif not isinstance(child, cst.BaseExpression):  # no def is in one
             yield from _definitions(child, prefix)
 
 

@@ -168,12 +168,21 @@ def add_imports(module: cst.Module, needed: Iterable[Import]) -> cst.Module:
         else:
             body[index] = _wrapped(_joined(body[index], group), indent)
     at = _insertion(body)
-    if new and at == 0 and body:  # the module's opening comments stay first
-        new[0] = new[0].with_changes(leading_lines=body[0].leading_lines)
-        body[0] = body[0].with_changes(leading_lines=[cst.EmptyLine()] * 2)
-    elif new and at == 1 and not _is_import(body[0]):  # after the docstring
-        new[0] = new[0].with_changes(leading_lines=[cst.EmptyLine()])
+    if new and not any(_is_import(s) for s in body[:at]):  # the module's first
+        if at == 1:  # after the docstring
+            new[0] = new[0].with_changes(leading_lines=[cst.EmptyLine()])
+        if at < len(body):
+            body[at] = _spaced(body[at])
     return module.with_changes(body=[*body[:at], *new, *body[at:]])
+
+
+def _spaced(statement: cst.CSTNode) -> cst.CSTNode:
+    """`statement` two blank lines below the imports before it (ruff's isort's
+    `lines-after-imports`)."""
+    lines = list(getattr(statement, "leading_lines", None) or ())
+    blank = next((i for i, line in enumerate(lines) if line.comment), len(lines))
+    more = [cst.EmptyLine()] * max(0, 2 - blank)
+    return statement.with_changes(leading_lines=[*more, *lines])
 
 
 def _order(imp: Import) -> tuple:
