@@ -17,8 +17,10 @@ from .._annotations.logical import active_rules, using
 from .._errors import expect, expect_callable
 from .._verify.report import Report
 from .._verify.verify import verify
+from .contracts import Contract, imports_for
 from .infer import Finding, Function, functions
 from .observe import Observer
+from .write import Patch, patch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,15 +42,32 @@ class Annotations:
     notes: tuple[str, ...]
     report: Report
 
+    def patch(self) -> Patch:
+        """The contracts written into the model's files' text: `.diff()`,
+        `.write()`, and the annotations already there that were `.kept` or could
+        not be written (`.missing`: a function defined inside another, say)."""
+        contracts = [
+            Contract(
+                f.filename,
+                f.qualname,
+                f.lineno,
+                params={k: v for k, v in f.annotations.items() if k != "return"},
+                returns=f.annotations.get("return"),
+                imports=imports_for(f.names),
+            )
+            for f in self.functions
+        ]
+        return patch(contracts)
+
     def diff(self) -> str:
         """A unified diff against the model's files adding the contracts: apply it
         with `git apply` (or `patch -p1`), or call `write()`."""
-        return _patch(self).diff()
+        return self.patch().diff()
 
     def write(self) -> list[str]:
         """Writes the contracts into the model's files (each file whole or not at
         all); returns the files changed."""
-        return _patch(self).write()
+        return self.patch().write()
 
     def __str__(self) -> str:
         count = sum(len(f.annotations) for f in self.functions)
@@ -192,9 +211,3 @@ def _notes(trees: dict) -> tuple[str, ...]:
         f"({listed}): annotate the fields of their types (a registered dataclass's "
         "fields, as jaxtyping reads them), or check them with jaxshard.check_tree.",
     )
-
-
-def _patch(annotations: Annotations) -> Any:
-    from .write import patch
-
-    return patch(annotations.functions)
