@@ -155,7 +155,7 @@ class _Writer(cst.CSTTransformer):
             changed |= added
             updated = self._decorated(updated, contract, naming)
         if changed and _width(updated, "".join(self.blocks)) > LINE_LENGTH:
-            if not _has_comment(updated.params):
+            if not _has_comment(updated.whitespace_before_params, updated.params):
                 updated = _one_per_line(updated, self.indent)
         return updated
 
@@ -321,8 +321,10 @@ def _same(existing: str, proposed: str) -> bool:
     return tree(existing) == tree(proposed)
 
 
-def _has_comment(node: cst.CSTNode) -> bool:
-    return isinstance(node, cst.Comment) or any(_has_comment(c) for c in node.children)
+def _has_comment(*nodes: cst.CSTNode) -> bool:
+    return any(
+        isinstance(node, cst.Comment) or _has_comment(*node.children) for node in nodes
+    )
 
 
 def _width(node: cst.FunctionDef, prefix: str) -> int:

@@ -47,11 +47,10 @@ def put_file(folder, name: str, text: str | bytes) -> str:
     return str(path)
 
 
-def contract(path, qualname, params, returns=None, *, text=None, imports=NEEDS):
+def contract(path, qualname, params, returns=None, *, imports=NEEDS):
     """The contract of the `def` of `qualname` in `path`, its line found by name."""
-    text = text if text is not None else pathlib.Path(path).read_text("utf-8-sig")
     name = qualname.split(".")[-1]
-    lines = text.splitlines()
+    lines = pathlib.Path(path).read_text("utf-8-sig").splitlines()
     lineno = next(i for i, line in enumerate(lines, 1) if f"def {name}(" in line)
     return Contract(path, qualname, lineno, params, returns, imports)
 
@@ -106,8 +105,11 @@ def load(path: str):
     name = f"written_{uuid.uuid4().hex}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
+    sys.modules[name] = module  # while it runs: dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
     return module
 
 
@@ -243,8 +245,11 @@ def test_jitted_functions_keep_their_decorators_first(tmp_path):
     """)
         in text
     )
-    # A function checked already gets no second decorator.
+    # A function checked already gets no second decorator; imports are made once.
     assert text.count(JAXTYPED) == 2
+    assert text.count("import jaxshard\n") == 1
+    assert text.count("import beartype\n") == 1
+    load(path)  # the decorator `done` had is now imported too
     assert (
         source(f"""
         @jax.jit
@@ -308,6 +313,7 @@ def test_module_level_functions_of_a_dataclass_weights_model(tmp_path):
     )
     assert max(map(len, text.splitlines())) <= 88
     assert text.count(JAXTYPED) == 2
+    assert load(path).dense.__wrapped__.__annotations__["p"] == "Weights"
 
 
 def test_an_existing_jaxtyping_import_and_from_imports_are_reused(tmp_path):
@@ -767,3 +773,12 @@ def test_random_signatures_round_trip(drawn):
     assert (JAXTYPED in out) == (changed or bool(annotated))
     new = set(out.splitlines()) - set(text.splitlines())
     assert all(len(line) <= 88 for line in new)
+
+
+def test_without_libcst_the_error_says_what_to_install(tmp_path, monkeypatch):
+    path = put_file(tmp_path, "m.py", "def f(x):\n    return x\n")
+    monkeypatch.setitem(sys.modules, "libcst", None)  # as if not installed
+    for name in ("jaxshard._annotate.edit", "jaxshard._annotate.imports"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(ImportError, match=r"pip install 'jaxshard\[annotate\]'"):
+        patch([Contract(path, "f", 1, {"x": "int"})])
