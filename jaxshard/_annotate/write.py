@@ -69,7 +69,8 @@ class Patch:
         return [change.path for change in self.changes]
 
     def __str__(self) -> str:
-        lines = [f"{len(self.changes)} files changed."]
+        count = len(self.changes)
+        lines = [f"{count} file{'s' if count != 1 else ''} changed."]
         if self.kept:
             lines.append("Annotations kept that say something else:")
             lines += [f"  {kept}" for kept in self.kept]

@@ -782,3 +782,15 @@ def test_without_libcst_the_error_says_what_to_install(tmp_path, monkeypatch):
         monkeypatch.delitem(sys.modules, name, raising=False)
     with pytest.raises(ImportError, match=r"pip install 'jaxshard\[annotate\]'"):
         patch([Contract(path, "f", 1, {"x": "int"})])
+
+
+def test_a_patch_says_what_it_changes_keeps_and_could_not_write(tmp_path):
+    path = put_file(tmp_path, "m.py", "def f(x: int, y):\n    return x\n")
+    found = patch([Contract(path, "f", 1, {"x": "float", "y": "int", "z": "int"})])
+    assert str(found) == (
+        "1 file changed.\n"
+        "Annotations kept that say something else:\n"
+        "  m.py:1: f: parameter 'x' keeps its annotation int; annotate saw float\n"
+        "Not written:\n"
+        "  m.py:1: f: it has no parameter 'z'"
+    )
