@@ -26,7 +26,7 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     except OSError as e:  # a folder one may not write to: say so of the file asked for
         raise type(e)(e.errno, e.strerror, given) from None
     try:
-        with open(fd, "w", encoding="utf-8") as f:
+        with open(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
