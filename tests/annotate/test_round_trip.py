@@ -138,3 +138,48 @@ def test_they_catch_a_wrong_activation_layout(written):
     with jax.set_mesh(mesh):
         with pytest.raises(jaxshard.ShardingError, match="model"):
             jax.jit(module.model)(params, concrete)
+
+
+# --- tests/decoders.py's flax decoders, linen and nnx --------------------------------
+
+DECODERS = os.path.join(HERE, "..", "decoders.py")
+
+
+@pytest.mark.parametrize("style", ["linen", "nnx"])
+def test_the_flax_decoders_round_trip(style, tmp_path):
+    """The decoders stripped of their contracts, annotated under their rule table
+    (logical names where the rules map a layout back to one name each), written and
+    imported again: the train step runs and verifies, and the written contracts
+    catch a layer whose MLP kernel is named wrongly and tokens laid out wrongly."""
+    bare = imported(stripped_copy(DECODERS, tmp_path, "decoders_bare"), "dec_bare")
+    mesh = jax.make_mesh(
+        (2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3
+    )
+    made = getattr(bare, f"make_{style}")(mesh)
+    dims = {"batch": bare.BATCH, "length": bare.LENGTH, "embed": bare.EMBED}
+    found = jaxshard.annotate(
+        made.loss,
+        mesh=mesh,
+        values={"state": made.state, "batch": made.batch},
+        dims=dims,
+        rules=bare.RULES,
+        modules=[bare],
+    )
+    seen = {f.qualname: f.annotations for f in found.functions}
+    block = f"{style.capitalize()}Block.__call__"
+    act = 'Float[Array, "batch length embed", L("batch", None, None)]'
+    assert seen[block] == {"x": act, "return": act}
+    found.write()
+    written = imported(tmp_path / "decoders_bare.py", f"dec_written_{style}")
+    good = getattr(written, f"make_{style}")(mesh)
+    with jax.set_mesh(mesh), jaxshard.axis_rules(written.RULES):
+        good.step(good.state, good.batch)
+        values = {"state": good.state, "batch": good.batch}
+        report = jaxshard.verify(good.loss, mesh=mesh, values=values)
+        assert report.ok and any(r.function.endswith(block) for r in report.rows)
+        bad = getattr(written, f"make_{style}")(mesh, wrong_layer=1)
+        with pytest.raises(jaxshard.ShardingError, match="Mlp"):
+            bad.step(bad.state, bad.batch)
+        tokens = jax.device_put(good.batch, NamedSharding(mesh, P(None, "data")))
+        with pytest.raises(jaxshard.ShardingError, match="P\\(None, 'data'\\)"):
+            good.loss(good.state, tokens)
