@@ -16,6 +16,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
@@ -26,8 +27,19 @@ from .._verify.frames import _relative
 from .observe import Seen
 
 
-# jaxtyping's dtype classes, by NumPy kind.
-_KINDS = {"f": "Float", "i": "Int", "u": "UInt", "b": "Bool", "c": "Complex"}
+# jaxtyping's dtype classes, by the kind of dtype each takes (bfloat16 and the
+# float8s are floating point to JAX, though not to NumPy).
+_KINDS = (
+    (jnp.bool_, "Bool"),
+    (jnp.unsignedinteger, "UInt"),
+    (jnp.signedinteger, "Int"),
+    (jnp.floating, "Float"),
+    (jnp.complexfloating, "Complex"),
+)
+
+
+def _kind(dtype: Any) -> str:
+    return next((name for k, name in _KINDS if jnp.issubdtype(dtype, k)), "Shaped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +132,7 @@ def _annotation(
 ) -> tuple[str, set[str], tuple | None]:
     """The annotation of a parameter seen in `calls`, what it needs imported, and
     its layouts with their counts if they differ between calls."""
-    kinds = {_KINDS.get(np.dtype(c.dtype).kind, "Shaped") for c in calls}
+    kinds = {_kind(c.dtype) for c in calls}
     kind = kinds.pop() if len(kinds) == 1 else "Shaped"
     shape = _shape([c.shape for c in calls], names)
     needs = {kind, "Array"}

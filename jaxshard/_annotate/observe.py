@@ -67,6 +67,8 @@ class Observer:
         sys.setprofile(self._previous)
 
     def _event(self, frame: Any, event: str, arg: Any) -> None:
+        if self._previous is not None:  # another profiler's, kept in force
+            self._previous(frame, event, arg)
         code = frame.f_code
         if code.co_filename not in self.files or code.co_name.startswith("<"):
             return

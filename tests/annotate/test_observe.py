@@ -32,6 +32,13 @@ def by_name(found) -> dict:
     return {f.qualname: f.annotations for f in found.functions}
 
 
+def test_bfloat16_is_float():
+    found = jaxshard.annotate(
+        transformer.model, mesh=mesh_of("auto"), dims=DIMS, dtypes=jnp.bfloat16
+    )
+    assert by_name(found)["norm"]["scale"] == 'Float[Array, "d", P(None)]'
+
+
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
 def test_the_transformers_layouts_are_its_hand_written_ones(kind):
     found = jaxshard.annotate(transformer.model, mesh=mesh_of(kind), dims=DIMS)
@@ -123,7 +130,7 @@ def test_logical_names_where_the_rules_map_back(auto_mesh):
     )
 
 
-def test_vmap_and_scan_bodies_are_seen_per_example(auto_mesh):
+def test_vmap_bodies_are_seen_per_example(auto_mesh):
     def per_row(row):
         return row * 2
 
@@ -137,7 +144,7 @@ def test_vmap_and_scan_bodies_are_seen_per_example(auto_mesh):
         step, mesh=auto_mesh, values={"x": x}, modules=[sys.modules[__name__]]
     )
     seen = by_name(found)
-    assert seen["test_vmap_and_scan_bodies_are_seen_per_example.<locals>.per_row"] == {
+    assert seen["test_vmap_bodies_are_seen_per_example.<locals>.per_row"] == {
         "row": 'Float[Array, "4", P(None)]',
         "return": 'Float[Array, "4", P(None)]',
     }
