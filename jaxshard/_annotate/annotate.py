@@ -5,6 +5,7 @@ what was seen becomes annotations (`infer`), written into the source as a patch
 
 import contextlib
 import dataclasses
+import importlib
 import inspect
 import os
 import sys
@@ -12,6 +13,8 @@ import types
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+from jax.sharding import Mesh
 
 from .._annotations.logical import active_rules, using
 from .._errors import expect, expect_callable
@@ -123,8 +126,11 @@ def annotate(
     `.findings`, `.functions`.
     """
     expect_callable("annotate", fn)
-    given = dims is None or isinstance(dims, Mapping)
-    expect(given, "annotate", "dims", "a dict", dims)
+    concrete = "a concrete jax.sharding.Mesh (from jaxshard.tpu_mesh or jax.make_mesh)"
+    expect(isinstance(mesh, Mesh), "annotate", "mesh", concrete, mesh)
+    for name, given in (("dims", dims), ("values", values)):
+        expect(given is None or isinstance(given, Mapping), "annotate", name,
+               "a dict", given)  # fmt: skip
     files = _files(fn, modules)
     observer = Observer(files)
     with using(rules) if rules is not None else contextlib.nullcontext():
@@ -169,11 +175,21 @@ def _files(fn: Callable, modules: Iterable[Any] | None) -> set[str]:
     files = set()
     for module in modules:
         if isinstance(module, str):
-            module = sys.modules.get(module) or __import__(module, fromlist=["_"])
+            module = sys.modules.get(module) or _imported(module)
         kind = isinstance(module, types.ModuleType)
         expect(kind, "annotate", "modules", "modules or their names", module)
         files |= _module_files(module)
     return files
+
+
+def _imported(name: str) -> types.ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"jaxshard.annotate: modules names {name!r}, which cannot be imported "
+            f"({e}). Pass the modules whose functions to annotate, or their names."
+        ) from None
 
 
 def _module_files(module: types.ModuleType) -> set[str]:

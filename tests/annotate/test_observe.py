@@ -175,3 +175,17 @@ def test_names_the_existing_annotations_give_carry_over(auto_mesh):
         "w": 'Float[Array, "d e", P(None, None)]',
         "return": 'Float[Array, "batch e", P("dp", None)]',
     }
+
+
+@pytest.mark.parametrize(
+    "kwargs, said",
+    [
+        ({"mesh": "dp=4"}, "jaxshard.annotate: `mesh` takes a concrete"),
+        ({"dims": [("b", 4)]}, "jaxshard.annotate: `dims` takes a dict"),
+        ({"modules": ["no_such_module"]}, "'no_such_module', which cannot be"),
+    ],
+)
+def test_bad_arguments(auto_mesh, kwargs, said):
+    with pytest.raises((TypeError, ValueError)) as e:
+        jaxshard.annotate(outer, **{"mesh": auto_mesh, **kwargs})
+    assert str(e.value).startswith(said) or said in str(e.value)
