@@ -1,0 +1,353 @@
+"""A mixture-of-experts decoder's train step, its expert parallelism checked contract by
+contract, verified for the largest TPU v5p slice (8,960 chips) on a machine without a
+TPU.
+
+Each layer is attention then a DeepSeek-style MoE: a sigmoid router picks the top-k of
+the routed experts for each token, a shared expert sees every token. The routed
+experts are split over the mesh axis "ep"; the batch is split over every axis ("dp",
+"fsdp" and "ep"); the weights are split over "fsdp" too (gathered before use), and
+over "ep" where they belong to an expert. Inside `jax.shard_map` each device packs its
+tokens into a fixed-capacity slot buffer per expert, an `all_to_all` over "ep" sends
+each expert its slots, the experts run, and a second `all_to_all` brings the results
+back to be combined. The annotations state the layout of every step: the router's
+logits, the slot buffer before the exchange (`P(None, BATCH, None)`: every expert's
+slots, for this device's tokens) and after it (`P("ep", ...)`: this device's experts,
+with slots from every device of the "ep" group), the experts' weights and the
+combined output. Inside the shard_map jaxshard checks the blocks against these global
+types. Value checks there, under `jaxshard.checked`, say on which device the router's
+probabilities stopped being finite, or how many tokens an expert's capacity dropped.
+
+`jaxshard.verify` compiles the train step (forward, gradient, Adam update; layers
+scanned, each remat'ed) and prints the report: each all-to-all at its line here,
+the bytes it moves per device, the memory per chip. Then it shows a violation (an
+expert weight laid out over "fsdp" where its contract says "ep") and, on the CPUs at
+hand, a capacity too small for the tokens routed, reported by device.
+
+Run: `python examples/moe.py` (8 simulated CPU devices, a small model), or
+`python examples/moe.py --topology v5p:16x20x28` (needs libtpu: `pip install
+'jaxshard[tpu]'`) for DeepSeek-V3's shapes (61 layers, d 7168, 256 routed experts, top
+8, one shared expert, expert hidden size 2048) on 8,960 chips: "ep" 64 (DeepSeek-V3's
+expert parallelism), "fsdp" 28, "dp" 5. Its first 3 layers are MoE layers here, where
+DeepSeek-V3's are dense, and attention is plain multi-head attention, not MLA.
+"""
+
+import math
+import os
+import sys
+from typing import NamedTuple
+
+
+# There is no TPU to run on: libtpu only compiles. JAX must not look for one.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from beartype import beartype  # noqa: E402
+from jax import Array  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxshard  # noqa: E402
+from jaxshard import Float, Int  # noqa: E402
+
+
+BATCH = ("dp", "fsdp", "ep")  # the batch is split over every axis
+SLOTS = ("dp", "fsdp")  # at the experts, slots come from every device of the ep group
+
+X = Float[Array, "batch seqlen d", P(BATCH, None, None)]  # the residual stream
+Heads = Float[Array, "batch seqlen heads hd", P(BATCH, None, None, None)]
+Logits = Float[Array, "batch seqlen experts", P(BATCH, None, None)]
+Choice = Int[Array, "batch seqlen k", P(BATCH, None, None)]  # the top-k experts
+Gates = Float[Array, "batch seqlen k", P(BATCH, None, None)]  # and their weights
+# The slot buffer: `capacity` slots per expert for each device's tokens.
+Outbound = Float[Array, "experts slots d", P(None, BATCH, None)]
+Inbound = Float[Array, "experts slots d", P("ep", SLOTS, None)]
+ExpertIn = Float[Array, "experts d f", P("ep", None, None)]  # as the experts see them
+ExpertOut = Float[Array, "experts f d", P("ep", None, None)]
+
+
+class Config(NamedTuple):
+    """What the shapes do not say."""
+
+    top_k: int
+    capacity_factor: float  # slots per expert, over the tokens a fair share sends it
+    route_scale: float = 2.5  # DeepSeek-V3 scales the routed experts' sum
+
+
+class Block(NamedTuple):
+    """One layer's weights: split over "fsdp" on their model dimension, the routed
+    experts over "ep" too."""
+
+    ln1: Float[Array, "d", P(None)]
+    wq: Float[Array, "d heads hd", P("fsdp", None, None)]
+    wk: Float[Array, "d heads hd", P("fsdp", None, None)]
+    wv: Float[Array, "d heads hd", P("fsdp", None, None)]
+    wo: Float[Array, "heads hd d", P(None, None, "fsdp")]
+    ln2: Float[Array, "d", P(None)]
+    router: Float[Array, "d experts", P("fsdp", None)]
+    w_gate: Float[Array, "experts d f", P("ep", "fsdp", None)]
+    w_up: Float[Array, "experts d f", P("ep", "fsdp", None)]
+    w_down: Float[Array, "experts f d", P("ep", None, "fsdp")]
+    s_gate: Float[Array, "d f", P("fsdp", None)]  # the shared expert
+    s_up: Float[Array, "d f", P("fsdp", None)]
+    s_down: Float[Array, "f d", P(None, "fsdp")]
+
+
+class Stack(NamedTuple):
+    """Every layer's weights, stacked for `lax.scan`: `Block`'s fields, in order."""
+
+    ln1: Float[Array, "layers d", P(None, None)]
+    wq: Float[Array, "layers d heads hd", P(None, "fsdp", None, None)]
+    wk: Float[Array, "layers d heads hd", P(None, "fsdp", None, None)]
+    wv: Float[Array, "layers d heads hd", P(None, "fsdp", None, None)]
+    wo: Float[Array, "layers heads hd d", P(None, None, None, "fsdp")]
+    ln2: Float[Array, "layers d", P(None, None)]
+    router: Float[Array, "layers d experts", P(None, "fsdp", None)]
+    w_gate: Float[Array, "layers experts d f", P(None, "ep", "fsdp", None)]
+    w_up: Float[Array, "layers experts d f", P(None, "ep", "fsdp", None)]
+    w_down: Float[Array, "layers experts f d", P(None, "ep", None, "fsdp")]
+    s_gate: Float[Array, "layers d f", P(None, "fsdp", None)]
+    s_up: Float[Array, "layers d f", P(None, "fsdp", None)]
+    s_down: Float[Array, "layers f d", P(None, None, "fsdp")]
+
+
+class State(NamedTuple):
+    """The weights and Adam's moments, laid out alike."""
+
+    params: Stack
+    mu: Stack
+    nu: Stack
+    step: Int[Array, "", P()]
+
+
+def constrain(x: Array, annotation) -> Array:
+    return jax.lax.with_sharding_constraint(x, jaxshard.partition_spec(annotation))
+
+
+# --- attention ----------------------------------------------------------------------
+
+
+def norm(x: Array, scale: Array) -> Array:
+    x32 = x.astype(jnp.float32)
+    rms = jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + 1e-6)
+    return (x32 * rms).astype(x.dtype) * scale
+
+
+@jaxshard.jaxtyped(typechecker=beartype)
+def attention(p: Block, x: X) -> X:
+    """Causal softmax attention, each device computing its own sequences."""
+    h = norm(x, p.ln1)
+    q, k, v = (constrain(jnp.einsum("bsd,dhk->bshk", h, w), Heads) for w in p[1:4])
+    scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones(scores.shape[-2:], dtype=bool))
+    weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+    heads = jnp.einsum("bhqs,bshk->bqhk", weights.astype(v.dtype), v)
+    return x + constrain(jnp.einsum("bshk,hkd->bsd", heads, p.wo), X)
+
+
+# --- the mixture of experts, per device inside shard_map ------------------------------
+# Every annotation below states the global array; the values are the blocks one
+# device holds, and jaxshard checks them against the global type.
+
+
+@jaxshard.jaxtyped(typechecker=beartype)
+def route(
+    x: X, router: Float[Array, "d experts", P(None, None)], cfg: Config
+) -> tuple[Logits, Gates, Choice]:
+    """DeepSeek-V3's router: sigmoid scores, the top-k experts, their scores
+    normalised to sum to one (then scaled)."""
+    logits = jnp.einsum("bsd,de->bse", x, router).astype(jnp.float32)
+    probs = jax.nn.sigmoid(logits)
+    jaxshard.check_finite(probs, name="router probabilities")
+    weights, chosen = jax.lax.top_k(probs, cfg.top_k)
+    weights = weights / weights.sum(-1, keepdims=True) * cfg.route_scale
+    return logits, weights, chosen
+
+
+def slots(chosen: Array, experts: int, capacity: int) -> tuple[Array, Array]:
+    """Each (token, choice)'s slot in its expert's buffer, in token order, and whether
+    it got one (an expert takes `capacity` tokens from each device)."""
+    onehot = jax.nn.one_hot(chosen.reshape(-1), experts, dtype=jnp.int32)
+    slot = ((jnp.cumsum(onehot, axis=0) - 1) * onehot).sum(-1)
+    return slot, slot < capacity
+
+
+@jaxshard.jaxtyped(typechecker=beartype)
+def dispatch(
+    x: X, chosen: Choice, experts: int, capacity: int
+) -> tuple[Outbound, Array, Array]:
+    """This device's tokens, copied into their experts' slots: a block of
+    `capacity` slots for every routed expert. Also each (token, choice)'s slot and
+    whether it got one, for `combine`."""
+    b, s, d = x.shape
+    slot, kept = slots(chosen, experts, capacity)
+    dropped = (~kept).sum()
+    jaxshard.check(dropped == 0, "{dropped} tokens dropped", dropped=dropped)
+    tokens = jnp.repeat(x.reshape(b * s, d), chosen.shape[-1], axis=0)
+    buffer = jnp.zeros((experts, capacity, d), x.dtype)
+    return buffer.at[chosen.reshape(-1), slot].add(tokens, mode="drop"), slot, kept
+
+
+@jaxshard.jaxtyped(typechecker=beartype)
+def experts_ffn(
+    h: Inbound, w_gate: ExpertIn, w_up: ExpertIn, w_down: ExpertOut
+) -> Inbound:
+    """Each local expert's SwiGLU over the slots it was sent."""
+    gate = jnp.einsum("ecd,edf->ecf", h, w_gate)
+    up = jnp.einsum("ecd,edf->ecf", h, w_up)
+    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w_down)
+
+
+@jaxshard.jaxtyped(typechecker=beartype)
+def combine(
+    out: Outbound, chosen: Choice, weights: Gates, slot: Array, kept: Array
+) -> X:
+    """Each token's experts' results, weighted by the router (a dropped choice adds
+    nothing)."""
+    b, s, k = chosen.shape
+    got = out.at[chosen.reshape(-1), slot].get(mode="fill", fill_value=0)
+    w = (weights.reshape(-1) * kept).astype(out.dtype)
+    return (got * w[:, None]).reshape(b, s, k, -1).sum(2)
+
+
+def moe_local(
+    x: Array,
+    router: Array,
+    w_gate: Array,
+    w_up: Array,
+    w_down: Array,
+    cfg: Config,
+) -> Array:
+    """The routed experts, as one device runs them: route, dispatch, exchange, run,
+    exchange back, combine."""
+    b, s, _ = x.shape
+    n_experts = router.shape[-1]
+    capacity = math.ceil(b * s * cfg.top_k / n_experts * cfg.capacity_factor)
+    _, weights, chosen = route(x, router, cfg)
+    outbound, slot, kept = dispatch(x, chosen, n_experts, capacity)
+    # Expert e's slots from every device of the ep group, side by side.
+    inbound = jax.lax.all_to_all(outbound, "ep", 0, 1, tiled=True)
+    done = experts_ffn(inbound, w_gate, w_up, w_down)
+    back = jax.lax.all_to_all(done, "ep", 1, 0, tiled=True)
+    return combine(back, chosen, weights, slot, kept)
+
+
+@jaxshard.jaxtyped(typechecker=beartype)
+def moe(p: Block, x: X, cfg: Config) -> X:
+    """The MoE layer: the routed experts through shard_map, plus the shared expert."""
+    h = norm(x, p.ln2)
+    expert = P("ep", None, None)
+    routed = jax.shard_map(
+        lambda *a: moe_local(*a, cfg),
+        in_specs=(P(BATCH, None, None), P(None, None), expert, expert, expert),
+        out_specs=P(BATCH, None, None),
+    )(h, p.router, p.w_gate, p.w_up, p.w_down)
+    shared = jax.nn.silu(h @ p.s_gate) * (h @ p.s_up) @ p.s_down
+    return x + constrain(routed + shared, X)
+
+
+@jaxshard.jaxtyped(typechecker=beartype)
+def model(params: Stack, x: X, cfg: Config) -> X:
+    @jax.checkpoint  # keep each layer's input only; recompute the rest for the grads
+    def layer(x, weights):
+        p = Block(*weights)
+        return moe(p, attention(p, x), cfg), None
+
+    x, _ = jax.lax.scan(layer, x, params)
+    return x
+
+
+@jaxshard.jaxtyped(typechecker=beartype)
+def train_step(
+    state: State, x: X, y: X, cfg: Config
+) -> tuple[State, Float[Array, "", P()]]:
+    """One step of Adam on the squared distance from `y`."""
+
+    def loss_fn(params):
+        out = model(params, x, cfg).astype(jnp.float32)
+        return jnp.mean((out - y.astype(jnp.float32)) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    step = state.step + 1
+    b1, b2, lr, eps = 0.9, 0.95, 2.2e-4, 1e-8
+    mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
+    nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, grads)
+    t = step.astype(jnp.float32)
+
+    def update(w, m, v):
+        m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
+        return (w - lr * m_hat / (jnp.sqrt(v_hat) + eps)).astype(w.dtype)
+
+    params = jax.tree.map(update, state.params, mu, nu)
+    return State(Stack(*params), Stack(*mu), Stack(*nu), step), loss
+
+
+# --- verifying ----------------------------------------------------------------------
+
+# DeepSeek-V3: 61 layers, d 7168, 128 heads of 128, 256 routed experts (top 8) and
+# one shared, each of hidden size 2048; batches of 8,960 sequences of 4,096 tokens.
+FULL = {
+    "dims": {
+        "layers": 61,
+        "d": 7168,
+        "heads": 128,
+        "hd": 128,
+        "experts": 256,
+        "f": 2048,
+        "batch": 8960,
+        "seqlen": 4096,
+    },
+    "cfg": Config(top_k=8, capacity_factor=1.25),
+    "mesh": {"dp": 5, "fsdp": 28, "ep": 64},
+}
+SMALL = {
+    "dims": {
+        "layers": 2,
+        "d": 64,
+        "heads": 4,
+        "hd": 16,
+        "experts": 8,
+        "f": 32,
+        "batch": 16,
+        "seqlen": 16,
+    },
+    "cfg": Config(top_k=2, capacity_factor=2.0),
+    "mesh": {"dp": 2, "fsdp": 2, "ep": 2},
+}
+
+
+def cpu_mesh(shape: dict[str, int]) -> jax.sharding.Mesh:
+    return jax.make_mesh(
+        tuple(shape.values()),
+        tuple(shape),
+        axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+    )
+
+
+def verify(mesh, setup, **kwargs) -> "jaxshard.Report":
+    return jaxshard.verify(
+        train_step,
+        mesh=mesh,
+        dims=setup["dims"],
+        dtypes=jnp.bfloat16,
+        values={"cfg": setup["cfg"]},
+        **kwargs,
+    )
+
+
+def main() -> int:
+    args = sys.argv[1:]
+    topology = args[args.index("--topology") + 1] if "--topology" in args else None
+    if topology:
+        setup = FULL
+        mesh = jaxshard.tpu_mesh(topology, setup["mesh"])
+    else:
+        setup = SMALL
+        jax.config.update("jax_num_cpu_devices", 8)  # before JAX starts its backends
+        mesh = cpu_mesh(setup["mesh"])
+    report = verify(mesh, setup)
+    print(report, end="\n\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
