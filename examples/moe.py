@@ -334,6 +334,73 @@ def verify(mesh, setup, **kwargs) -> "jaxshard.Report":
     )
 
 
+def slot_bytes(setup, devices: int) -> int:
+    """What each all-to-all moves per device per layer, as the shapes imply it: every
+    expert's slots for this device's tokens (tokens x top-k x capacity factor, rounded
+    up per expert), of d bfloat16 numbers; (ep - 1)/ep of them leave the device."""
+    dims, cfg = setup["dims"], setup["cfg"]
+    tokens = dims["batch"] * dims["seqlen"] // devices
+    capacity = math.ceil(tokens * cfg.top_k / dims["experts"] * cfg.capacity_factor)
+    return dims["experts"] * capacity * dims["d"] * 2
+
+
+def misplaced_expert(mesh, setup) -> "jaxshard.Report":
+    """One MoE layer whose w_gate is split over "fsdp" on its experts and "ep" on d,
+    the two axes swapped: the shard_map would reshard it, silently, every step."""
+    block, *_ = jaxshard.abstract_args(
+        moe, mesh, setup["dims"], jnp.bfloat16, values={"cfg": setup["cfg"]}
+    )
+    w = block.w_gate
+    swapped = jax.sharding.NamedSharding(mesh, P("fsdp", "ep", None))
+    block = block._replace(
+        w_gate=jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=swapped)
+    )
+    return jaxshard.verify(
+        moe,
+        mesh=mesh,
+        dims=setup["dims"],
+        dtypes=jnp.bfloat16,
+        values={"p": block, "cfg": setup["cfg"]},
+        raise_on_error=False,
+    )
+
+
+def layout(annotation, mesh) -> jax.sharding.NamedSharding:
+    return jax.sharding.NamedSharding(mesh, jaxshard.partition_spec(annotation))
+
+
+def routed_unevenly(mesh, dims) -> tuple[Block, Array, Array]:
+    """A layer's weights whose router sends a token to the experts its two largest
+    model dimensions (of the first `experts`) name; tokens that spread over the
+    experts evenly; and the same tokens but for the sixth device's (dp 1, fsdp 0,
+    ep 1 on the small mesh), which all pick experts 0 and 1."""
+    keys = iter(jax.random.split(jax.random.key(0), len(Block._fields)))
+    weights = {}
+    for name, annotation in Block.__annotations__.items():
+        shape = tuple(dims[d] for d in annotation.dim_str.split())
+        weights[name] = jax.random.normal(next(keys), shape) * 0.02
+    weights["ln2"] = jnp.ones(dims["d"])
+    weights["router"] = jnp.eye(dims["d"], dims["experts"]) * 4
+    block = Block(
+        **{
+            k: jax.device_put(v, layout(Block.__annotations__[k], mesh))
+            for k, v in weights.items()
+        }
+    )
+    b, s, d, e = dims["batch"], dims["seqlen"], dims["d"], dims["experts"]
+    t = jnp.arange(b * s).reshape(b, s)
+    even = jax.nn.one_hot(t % e, d) + jax.nn.one_hot((t + 1) % e, d)
+    per_device = b // mesh.size
+    crowded = even.at[5 * per_device : 6 * per_device].set(
+        jax.nn.one_hot(0, d) + jax.nn.one_hot(1, d)
+    )
+    return (
+        block,
+        jax.device_put(even, layout(X, mesh)),
+        jax.device_put(crowded, layout(X, mesh)),
+    )
+
+
 def main() -> int:
     args = sys.argv[1:]
     topology = args[args.index("--topology") + 1] if "--topology" in args else None
@@ -344,9 +411,44 @@ def main() -> int:
         setup = SMALL
         jax.config.update("jax_num_cpu_devices", 8)  # before JAX starts its backends
         mesh = cpu_mesh(setup["mesh"])
+    # Raises jaxshard.ShardingError, listing every violation, if there is one.
     report = verify(mesh, setup)
     print(report, end="\n\n")
-    return 0
+
+    implied = slot_bytes(setup, mesh.size)
+    a2a = [c for c in report.collectives if c.kind == "all-to-all"]
+    print(f"Each all-to-all moves {implied:,} bytes per device per layer (the slots):")
+    for line in sorted({c.lineno for c in a2a}):
+        here = [c for c in a2a if c.lineno == line]
+        moved = ", ".join(sorted({f"{c.bytes:,} bytes over {c.axes}" for c in here}))
+        print(f"  line {line}: {len(here)} (forward, remat, backward): {moved}")
+    if not a2a or any(c.bytes != implied or c.lineno is None for c in a2a):
+        print("Not what the shapes imply, or not located in this file.")
+        return 1
+
+    report = misplaced_expert(mesh, setup)
+    print("", report, sep="\n", end="\n\n")
+    found = [((r.function or "").rsplit(".")[-1], r.name) for r in report.violations]
+    if found != [("moe", "p.w_gate")]:
+        print(f"Expected one violation, in the misplaced w_gate: {found}")
+        return 1
+    print("The misplaced expert weight was caught.")
+    if topology:
+        return 0
+
+    # Run the layer on the CPUs, its capacity a fair share: the crowded device drops.
+    cfg = setup["cfg"]._replace(capacity_factor=1.0)
+    layer = jaxshard.checked(jax.jit(lambda p, x: moe(p, x, cfg)))
+    block, even, crowded = routed_unevenly(mesh, setup["dims"])
+    with jax.set_mesh(mesh):
+        layer(block, even)  # every token gets a slot
+        try:
+            layer(block, crowded)
+        except jaxshard.CheckError as e:
+            print(f"\n{e}")
+            return 0
+    print("The dropped tokens went unreported.")
+    return 1
 
 
 if __name__ == "__main__":

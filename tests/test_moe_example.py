@@ -10,7 +10,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -99,51 +98,22 @@ def test_an_expert_weight_split_over_the_wrong_axis_is_a_violation(moe, mesh):
     assert ("train_step", "state.params.w_gate") in found, found
 
 
-def concrete_block(moe, mesh, dims):
-    """A layer's weights, the router picking expert `i % 8` for model dimension i."""
-    block = {}
-    key = jax.random.key(0)
-    for name, annotation in moe.Block.__annotations__.items():
-        shape = tuple(dims[d] for d in annotation.dim_str.split())
-        key, sub = jax.random.split(key)
-        block[name] = jax.random.normal(sub, shape) * 0.02
-    block["ln2"] = jnp.ones(dims["d"])
-    block["router"] = jnp.eye(dims["d"], dims["experts"]) * 4
-    return moe.Block(
-        **{
-            name: jax.device_put(
-                value,
-                NamedSharding(
-                    mesh, jaxshard.partition_spec(moe.Block.__annotations__[name])
-                ),
-            )
-            for name, value in block.items()
-        }
-    )
+def test_the_example_reports_the_misplaced_expert_weight(moe, mesh):
+    report = moe.misplaced_expert(mesh, moe.SMALL)
+    found = [(r.function.rsplit(".")[-1], r.name) for r in report.violations]
+    assert found == [("moe", "p.w_gate")]
 
 
 def test_tokens_dropped_for_capacity_are_reported_with_the_device(moe, mesh):
-    dims = moe.SMALL["dims"]
-    cfg = moe.Config(top_k=2, capacity_factor=1.0)  # room for a fair share only
-    block = concrete_block(moe, mesh, dims)
-    b, s, d, e = dims["batch"], dims["seqlen"], dims["d"], dims["experts"]
-    # Token t leans on experts t % 8 and (t + 1) % 8: each device's 32 tokens make
-    # 8 choices of each expert, its capacity exactly.
-    t = np.arange(b * s).reshape(b, s)
-    x = np.zeros((b, s, d), np.float32)
-    np.put_along_axis(x, (t % e)[..., None], 1.0, axis=-1)
-    np.put_along_axis(x, ((t + 1) % e)[..., None], 1.0, axis=-1)
-    # The sixth device's rows (dp 1, fsdp 0, ep 1) all lean on experts 0 and 1.
-    x[10:12] = 0.0
-    x[10:12, :, :2] = 1.0
-    x = jax.device_put(x, NamedSharding(mesh, P(moe.BATCH, None, None)))
-    step = jaxshard.checked(jax.jit(lambda p, x: moe.moe(p, x, cfg)))
+    cfg = moe.SMALL["cfg"]._replace(capacity_factor=1.0)  # room for a fair share
+    block, even, crowded = moe.routed_unevenly(mesh, moe.SMALL["dims"])
+    layer = jaxshard.checked(jax.jit(lambda p, x: moe.moe(p, x, cfg)))
     with jax.set_mesh(mesh):
-        fair = jnp.asarray(x).at[10:12].set(x[0:2])
-        jax.block_until_ready(step(block, fair))  # nothing dropped
+        jax.block_until_ready(layer(block, even))  # nothing dropped
         with pytest.raises(jaxshard.CheckError) as caught:
-            step(block, x)
+            layer(block, crowded)
     (failure,) = caught.value.failures
-    assert failure.message == "48 tokens dropped"  # 64 choices, 8 slots each for two
+    # The crowded device's 32 tokens choose experts 0 and 1: 64 choices, 8 slots each.
+    assert failure.message == "48 tokens dropped"
     assert failure.device == {"dp": 1, "fsdp": 0, "ep": 1}
     assert os.path.samefile(failure.filename, moe.__file__)
