@@ -20,8 +20,9 @@ probabilities stopped being finite, or how many tokens an expert's capacity drop
 `jaxshard.verify` compiles the train step (forward, gradient, Adam update; layers
 scanned, each remat'ed) and prints the report: each all-to-all at its line here,
 the bytes it moves per device, the memory per chip. Then it shows a violation (an
-expert weight laid out over "fsdp" where its contract says "ep") and, on the CPUs at
-hand, a capacity too small for the tokens routed, reported by device.
+expert weight whose hidden dimension is split over "ep", where its contract splits
+the experts) and, on the CPUs at hand, a capacity too small for the tokens routed,
+reported by device.
 
 Run: `python examples/moe.py` (8 simulated CPU devices, a small model), or
 `python examples/moe.py --topology v5p:16x20x28` (needs libtpu: `pip install
@@ -345,13 +346,14 @@ def slot_bytes(setup, devices: int) -> int:
 
 
 def misplaced_expert(mesh, setup) -> "jaxshard.Report":
-    """One MoE layer whose w_gate is split over "fsdp" on its experts and "ep" on d,
-    the two axes swapped: the shard_map would reshard it, silently, every step."""
+    """One MoE layer whose w_gate splits its hidden dimension over "ep", as tensor
+    parallelism would, where its contract splits the experts: the shard_map would
+    all-to-all it into place, silently, every step."""
     block, *_ = jaxshard.abstract_args(
         moe, mesh, setup["dims"], jnp.bfloat16, values={"cfg": setup["cfg"]}
     )
     w = block.w_gate
-    swapped = jax.sharding.NamedSharding(mesh, P("fsdp", "ep", None))
+    swapped = jax.sharding.NamedSharding(mesh, P(None, "fsdp", "ep"))
     block = block._replace(
         w_gate=jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=swapped)
     )
