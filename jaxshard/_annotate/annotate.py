@@ -145,7 +145,7 @@ def annotate(
                 raise_on_error=False,
             )
     found, findings = functions(observer.seen, _sizes(dims), table)
-    notes = _notes(observer.trees)
+    notes = _notes(observer.trees, observer.blocks)
     annotations = Annotations(tuple(found), tuple(findings), notes, report)
     if findings:
         warnings.warn(
@@ -215,14 +215,22 @@ def _unwrapped(fn: Callable) -> Any:
     return inspect.unwrap(fn) if callable(fn) else fn
 
 
-def _notes(trees: dict) -> tuple[str, ...]:
+def _notes(trees: dict, blocks: dict) -> tuple[str, ...]:
     """What the report says of the parameters left unannotated."""
+    notes = ()
+    if blocks:
+        notes += (
+            f"{len(blocks)} functions took blocks inside a shard_map body "
+            f"({', '.join(list(blocks)[:6])}), whose arrays got no annotation: an "
+            "annotation there describes the whole array a block is part of, which "
+            "annotate does not tell.",
+        )
     skipped = [f"{function}: {name!r}" for function, name in trees if name != "self"]
     if not skipped:
-        return ()
+        return notes
     more = f" and {len(skipped) - 6} more" if len(skipped) > 6 else ""
     listed = ", ".join(skipped[:6]) + more
-    return (
+    return notes + (
         f"{len(skipped)} parameters hold pytrees of arrays and got no annotation "
         f"({listed}): annotate the fields of their types (a registered dataclass's "
         "fields, as jaxtyping reads them), or check them with jaxshard.check_tree.",

@@ -52,6 +52,7 @@ class Observer:
         self.seen: list[Seen] = []
         # Parameters that held a pytree of arrays: `(qualname, name)`.
         self.trees: dict[tuple[str, str], None] = {}
+        self.blocks: dict[str, None] = {}  # functions called in shard_map bodies
         self._lock = threading.Lock()  # probes report from XLA's threads
         self._calls: collections.Counter = collections.Counter()
         self._open: dict[int, tuple[Any, int]] = {}  # frame id -> (code, call)
@@ -92,6 +93,11 @@ class Observer:
                 self.trees[(code.co_qualname, name)] = None
             return
         aval = jax.typeof(x)
+        if AxisType.Manual in aval.sharding.mesh.axis_types:
+            # A shard_map body's block, which an annotation describes as the whole
+            # array it is a block of: not told here.
+            self.blocks[code.co_qualname] = None
+            return
         seen = Seen(
             filename=code.co_filename,
             qualname=code.co_qualname,

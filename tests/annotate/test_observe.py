@@ -189,3 +189,27 @@ def test_bad_arguments(auto_mesh, kwargs, said):
     with pytest.raises((TypeError, ValueError)) as e:
         jaxshard.annotate(outer, **{"mesh": auto_mesh, **kwargs})
     assert str(e.value).startswith(said) or said in str(e.value)
+
+
+def body(block):
+    return block * 2
+
+
+def test_a_shard_map_bodys_blocks_are_left_and_said(auto_mesh):
+    """An annotation in a shard_map body describes the whole array, which a block's
+    shape does not tell: the body's arrays get none, and a note says so."""
+
+    def step(x):
+        mapped = jax.shard_map(
+            body, mesh=auto_mesh, in_specs=P("dp"), out_specs=P("dp")
+        )
+        return mapped(x) + 1
+
+    x = jax.ShapeDtypeStruct(
+        (8, 4), jnp.float32, sharding=NamedSharding(auto_mesh, P("dp"))
+    )
+    found = jaxshard.annotate(
+        step, mesh=auto_mesh, values={"x": x}, modules=[sys.modules[__name__]]
+    )
+    assert "body" not in by_name(found)
+    assert any("shard_map body (body)" in note for note in found.notes)
