@@ -25,8 +25,8 @@ def missing_axes(spec: PartitionSpec, mesh) -> str:
     if not names:
         return ""
     return (
-        f"the annotation's spec {format_spec(spec)} names mesh axis "
-        f"{', '.join(map(repr, names))}"
+        f"the annotation's spec {format_spec(spec)} names mesh "
+        f"ax{'is' if len(names) == 1 else 'es'} {', '.join(map(repr, names))}"
         f"{did_you_mean(names, mesh.axis_names, inline=True)}, but the mesh "
         f"{describe_mesh(mesh)} has axes {', '.join(map(repr, mesh.axis_names))}"
     )

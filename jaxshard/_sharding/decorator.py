@@ -93,7 +93,14 @@ def _message(message: str, notes: list, fn: Callable, args: tuple, kwargs: dict)
     return f"{head}{message}\n----------------------\nSharding:\n{details}"
 
 
-def _with_notes(checked, fn):
+def _with_notes(checked, fn, modules: bool = True):
+    """`checked`, whose errors say what was wrong with a sharding; with `modules`,
+    an nnx Module argument's Variables are checked against their metadata too (see
+    `nnx.ModuleParameters`)."""
+    from .nnx import ModuleParameters
+
+    parameters = ModuleParameters(fn) if modules else None
+
     @ft.wraps(fn)
     def wrapper(*args, **kwargs):
         __tracebackhide__ = True
@@ -104,6 +111,8 @@ def _with_notes(checked, fn):
         frames = _notes.frames
         frames.append(None)
         try:
+            if parameters is not None and parameters.names != ():
+                parameters.check(args, kwargs)
             return checked(*args, **kwargs)
         except TypeCheckError as e:
             notes = frames[-1] or []
@@ -217,6 +226,13 @@ def jaxtyped(fn: Any = _sentinel, *, typechecker: Any = _sentinel) -> Any:
         `jaxtyping.TypeCheckError`) whose message ends with the sharding details: the
         parameter, the expected and actual specs, the mesh, and the array's dtype and
         shape. (jaxtyping's own message shows only the expected type.)
+    - A parameter annotated with a flax nnx Module class (`model: Decoder`) is
+        checked whole, not by its type alone, in an eager call: each Variable that
+        carries its partitioning (`nnx.with_partitioning`) against that metadata,
+        as `jaxshard.check_tree` checks it, before the call (with a typechecker:
+        `typechecker=None` checks no parameter). Inside `jit` its weights are
+        tracers and are not checked so: call `jaxshard.check_tree(model)` in the
+        step, or before it.
 
     - A `jax.jit` function (`@jaxtyped @jax.jit def f`) is jitted anew around its
         checked function, with the same static and donated arguments and shardings.
@@ -254,7 +270,8 @@ def jaxtyped(fn: Any = _sentinel, *, typechecker: Any = _sentinel) -> Any:
             return fn  # already decorated: one check per call, not two
         out = _jaxtyping_jaxtyped(fn, typechecker)
         if out.__init__ is not init:
-            out.__init__ = _made_by_the_user(_with_notes(out.__init__, init), init)
+            checked = _with_notes(out.__init__, init, typechecker is not None)
+            out.__init__ = _made_by_the_user(checked, init)
         return out
     params = jit_parameters(fn)
     if params is not None:  # `@jaxtyped @jax.jit def f`: checked inside the jit
@@ -269,7 +286,7 @@ def jaxtyped(fn: Any = _sentinel, *, typechecker: Any = _sentinel) -> Any:
     checked = _jaxtyping_jaxtyped(fn, typechecker)
     if _plain_only(fn):
         return _with_message(checked, fn)
-    return _with_notes(checked, fn)
+    return _with_notes(checked, fn, typechecker is not None)
 
 
 def _with_message(checked, fn):

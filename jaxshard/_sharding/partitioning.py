@@ -2,6 +2,7 @@
 their leaves carry (flax linen's boxes, nnx Variables) or against a layout tree (of
 specs, shardings or `ShapeDtypeStruct`s), and `jaxshard.Partitioned`."""
 
+import functools as ft
 from collections.abc import Mapping
 from typing import Any
 
@@ -233,7 +234,10 @@ def place_partitioned(tree: Any, mesh: Any) -> Any:
     return jax.tree_util.tree_map(place, tree, is_leaf=is_box)
 
 
+@ft.lru_cache(maxsize=4096)
 def _annotation(spec: Any) -> Any:
+    """The annotation a spec states, made once per spec: an annotation keeps the
+    layouts known to pass, so that a weight checked again costs little."""
     if _is_array(spec):
         return spec
     return Shaped[Array, "...", spec]

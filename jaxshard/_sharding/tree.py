@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 
 from .. import _config
 from .._annotations.hints import type_hints
-from .._annotations.logical import using
+from .._annotations.logical import active_rules, using
 from .._annotations.spec import format_spec, padded
 from .._errors import ShardingError, TypeCheckError, user_facing
 from .._jax_internals import ArrayMeta
@@ -40,9 +40,13 @@ def check_tree(tree: Any, annotation: Any = None, *, name: str | None = None) ->
     for the whole tree. Any other class with annotated attributes is walked the same
     way, such as a `flax.nnx.Module` whose attributes are annotated
     `nnx.Param[Float[Array, "d f", P(None, "tp")]]` (the array a Param holds is
-    checked). Eagerly it raises at once; inside `jax.jit` it checks as
-    annotations do there (at trace time on Explicit meshes, when XLA compiles on Auto
-    meshes).
+    checked). A weight that no annotation reaches but that carries its partitioning,
+    an nnx Variable made with `nnx.with_partitioning` by a layer (`nnx.Linear`'s
+    kernel) or a flax linen box, is checked against that metadata, as
+    `check_partitioning` checks it (logical names resolved under the rules in
+    force); where both say, the annotation does. Eagerly it raises at once; inside
+    `jax.jit` it checks as annotations do there (at trace time on Explicit meshes,
+    when XLA compiles on Auto meshes).
 
     **Arguments:**
 
@@ -55,9 +59,10 @@ def check_tree(tree: Any, annotation: Any = None, *, name: str | None = None) ->
 
     **Raises:**
 
-    `jaxshard.ShardingError` if an array is sharded other than as annotated, else
-    `jaxtyping.TypeCheckError` if one has the wrong shape or dtype; the message lists
-    every failing array by its path.
+    `jaxshard.ShardingError` if an array is sharded other than as annotated (or as
+    its metadata says), else `jaxtyping.TypeCheckError` if one has the wrong shape or
+    dtype; the message lists every failing array by its path
+    (`Decoder.blocks[0].up.kernel`).
 
     !!! Example
 
@@ -72,40 +77,76 @@ def check_tree(tree: Any, annotation: Any = None, *, name: str | None = None) ->
     name = getattr(annotation, "__name__", "tree") if name is None else name
     found: list[tuple[str, Any, Any]] = []
     _collect(tree, annotation, name, found)
+    from .nnx import metadata_checks
+
+    carried = metadata_checks(tree, name, {where for where, *_ in found})
+    said = " or metadata" if found and carried else ""
     _check_all(
         f"check_tree({name})",
-        [(where, expected, value, None) for where, expected, value in found],
-        "{} arrays do not match their annotations",
+        [(where, expected, value, None) for where, expected, value in found] + carried,
+        f"{{}} arrays do not match their annotations{said}"
+        if found or not carried
+        else "{} arrays are not partitioned as their metadata says",
     )
 
 
 def _check_all(
-    what: str, found: list, several: str, source: str = "the annotation"
+    what: str,
+    found: list,
+    several: str,
+    source: str = "the annotation",
+    function: str | None = None,
 ) -> None:
     """Checks each `(path, expected, value, rules)` of `found` (`expected` an
     annotation or a `Stated` layout), with one set of dimension bindings, and raises
     listing every failure by path: a `ShardingError` if a sharding is among the
     reasons, else a `TypeCheckError`: one on one line, several under a head,
-    `several` (`{}` for how many); `source` is what states the layouts."""
-    function = what.split("(", 1)[0]
-    failures = []
+    `several` (`{}` for how many); `source` is what states the layouts (an entry's
+    fifth item, where it has one, says what states its own). `function` names
+    the checks made inside `jit` (by default, `what` up to its parenthesis)."""
+    function = what.split("(", 1)[0] if function is None else function
+    failures, unruled = [], False
     with jaxtyping.jaxtyped("context"):
-        for where, expected, value, rules in found:
+        for where, expected, value, rules, *own in found:
             with naming(function, where), using(rules):
                 reason, sharding = _reason(expected, value)
+                said = own[0] if own else source
+                # Logical names read as mesh axes: no rules were in force.
+                unruled |= bool(reason) and _unruled(reason, said)
             if reason:
-                failures.append((where, _worded(reason, source), sharding))
+                failures.append((where, _worded(reason, said), sharding))
     if failures:
         error = ShardingError if any(s for *_, s in failures) else TypeCheckError
         lines = [
             f"{w}{' ' if r.startswith('is ') else ': '}{r.rstrip('.')}."
             for w, r, _ in failures
         ]
+        hint = _RULES_HINT if unruled else ""
         if len(failures) == 1:  # the path and what is wrong, on one line
-            raise error(f"{what}: {lines[0]}")
+            raise error(f"{what}: {lines[0]}{' ' + hint if hint else ''}")
         # The first failure's path on the first line, however many there are.
         head = f"{several.format(len(failures))}, the first {failures[0][0]}"
-        raise error(f"{what}: {head}:\n" + "\n".join(f"- {x}" for x in lines))
+        listed = "\n".join(f"- {x}" for x in lines) + (f"\n{hint}" if hint else "")
+        raise error(f"{what}: {head}:\n{listed}")
+
+
+_RULES_HINT = (
+    "No axis rules are in force: if these specs name logical axes, check under the "
+    "rules that map them to mesh axes (`with nnx.logical_axis_rules(rules):` or "
+    "`with jaxshard.axis_rules(rules):`)."
+)
+
+
+def _unruled(reason: str, source: str) -> bool:
+    """Whether `reason` is a spec of metadata or a layout tree (which may name
+    logical axes, unlike an annotation's `P(...)`) naming axes the mesh lacks, read
+    with no axis rules in force."""
+    return (
+        source != "the annotation"
+        and reason.startswith("the annotation's spec")
+        and " names mesh ax" in reason
+        and active_rules() is None
+    )
 
 
 _THIS_ARRAY = re.compile(r"^this array \([^()]*\) (?=is )")

@@ -166,3 +166,114 @@ def test_device_put_replicates_an_nnx_models_unpartitioned_weights():
     with jax.set_mesh(mesh), nnx.logical_axis_rules(RULES):
         y = nnx.jit(lambda m, x: m(x))(placed, jnp.ones((4, EMBED)))
     assert y.shape == (4, EMBED)
+
+
+def misplaced_decoder(mesh) -> Decoder:
+    """The decoder placed by its metadata, then block 0's up kernel placed with
+    jax.device_put P('model', 'fsdp'), where its metadata says ('embed', 'mlp'):
+    P('fsdp', 'model') under RULES."""
+    with nnx.logical_axis_rules(RULES):
+        model = jaxshard.device_put(unplaced_decoder(), mesh)
+    kernel = model.blocks[0].up.kernel
+    kernel.set_value(
+        jax.device_put(kernel[...], NamedSharding(mesh, P("model", "fsdp")))
+    )
+    return model
+
+
+@pytest.mark.parametrize("rules", ["nnx", "jaxshard"])
+def test_check_tree_checks_nnx_weights_against_their_metadata(rules):
+    """No annotation reaches a weight an nnx layer makes: `check_tree` checks it
+    against its `with_partitioning` metadata, under flax's rules or jaxshard's."""
+    mesh = lm_mesh()
+    model = misplaced_decoder(mesh)
+    scope = nnx.logical_axis_rules if rules == "nnx" else jaxshard.axis_rules
+    with scope(RULES):
+        with pytest.raises(jaxshard.ShardingError) as e:
+            jaxshard.check_tree(model, name="model")
+        jaxshard.check_tree(misplaced_decoder(mesh).blocks[1])  # its own are right
+    message = str(e.value)
+    assert message.startswith("check_tree(model): model.blocks[0].up.kernel is ")
+    assert "sharded as P('model', 'fsdp')" in message
+    assert "where its metadata says P('fsdp', 'model')" in message
+    assert len(message.splitlines()) == 1  # one weight is wrong, no other
+
+
+def test_check_tree_without_the_rules_says_to_use_them():
+    mesh = lm_mesh()
+    with nnx.logical_axis_rules(RULES):
+        model = jaxshard.device_put(unplaced_decoder(), mesh)
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jaxshard.check_tree(model)
+    message = str(e.value)
+    assert "6 arrays are not partitioned as their metadata says" in message
+    assert "its metadata's spec P('embed', 'mlp') names mesh axes 'embed', 'mlp'" in (
+        message
+    )
+    assert message.splitlines()[-1].startswith("No axis rules are in force")
+
+
+class Tied(nnx.Module):
+    """A Param both annotated and carrying metadata: the annotation says."""
+
+    w: nnx.Param[Float[Array, "d f", P(None, "model")]]
+
+    def __init__(self, w):
+        self.w = nnx.Param(w, out_sharding=("model", None))
+
+
+def test_check_tree_an_annotation_wins_over_metadata():
+    mesh = lm_mesh()
+    x = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P(None, "model")))
+    with nnx.use_eager_sharding(False):  # flax leaves it as it is given
+        model = Tied(x)
+    jaxshard.check_tree(model)  # as annotated, whatever the metadata says
+    model.w.set_value(jax.device_put(x, NamedSharding(mesh, P("model", None))))
+    with pytest.raises(jaxshard.ShardingError, match="but the annotation expects"):
+        jaxshard.check_tree(model)
+
+
+def step(model: Decoder, x: Float[Array, "b d"]) -> Float[Array, ""]:
+    return model(x).sum()
+
+
+loss = checked(step)
+
+
+def test_a_jaxtyped_parameter_annotated_as_an_nnx_module_checks_its_weights():
+    """`model: Decoder` is checked whole in an eager call, each Variable against its
+    metadata. Inside `jit` its weights are tracers, laid out as the step's inputs:
+    they add no check (and no probe) to the program; `check_tree` checks them
+    there."""
+    mesh = lm_mesh()
+    x = jnp.ones((4, EMBED))
+
+    def checking(model, x):
+        jaxshard.check_tree(model, name="model")
+        return step(model, x)
+
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(RULES):
+        good = jaxshard.device_put(unplaced_decoder())
+        assert loss(good, x).shape == ()
+        model = misplaced_decoder(mesh)
+        with pytest.raises(jaxshard.ShardingError) as eager:
+            loss(model, x)
+        assert nnx.jit(loss)(model, x).shape == ()
+        with pytest.raises(jaxshard.ShardingError) as jitted:
+            nnx.jit(checking)(model, x)
+    first = str(eager.value).splitlines()[0]
+    assert first.startswith(f"{__name__}.step, parameter 'model': ")
+    assert "model.blocks[0].up.kernel is sharded as P('model', 'fsdp')" in first
+    assert "where its metadata says P('fsdp', 'model')" in first
+    assert "model.blocks[0].up.kernel" in str(jitted.value)
+
+
+def test_typechecker_none_checks_no_module_parameter():
+    mesh = lm_mesh()
+
+    @jaxshard.jaxtyped(typechecker=None)
+    def unchecked(model: Decoder, x: Float[Array, "b d"]):
+        return model(x).sum()
+
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(RULES):
+        assert unchecked(misplaced_decoder(mesh), jnp.ones((4, EMBED))).shape == ()
