@@ -26,10 +26,10 @@ reported by device.
 
 Run: `python examples/moe.py` (8 simulated CPU devices, a small model), or
 `python examples/moe.py --topology v5p:16x20x28` (needs libtpu: `pip install
-'jaxshard[tpu]'`) for DeepSeek-V3's shapes (61 layers, d 7168, 256 routed experts, top
-8, one shared expert, expert hidden size 2048) on 8,960 chips: "ep" 64 (DeepSeek-V3's
-expert parallelism), "fsdp" 28, "dp" 5. Its first 3 layers are MoE layers here, where
-DeepSeek-V3's are dense, and attention is plain multi-head attention, not MLA.
+'jaxshard[tpu]'`) for DeepSeek-V3's shapes (61 layers, the first 3 dense, d 7168, 256
+routed experts, top 8, one shared expert, expert hidden size 2048) on 8,960 chips:
+"ep" 64 (DeepSeek-V3's expert parallelism), "fsdp" 28, "dp" 5. Attention is plain
+multi-head attention here, not DeepSeek's MLA.
 """
 
 import math
@@ -111,12 +111,46 @@ class Stack(NamedTuple):
     s_down: Float[Array, "layers f d", P(None, None, "fsdp")]
 
 
+class Dense(NamedTuple):
+    """A dense layer's weights (DeepSeek-V3's first three): attention as `Block`'s,
+    then a SwiGLU MLP split over "fsdp"."""
+
+    ln1: Float[Array, "d", P(None)]
+    wq: Float[Array, "d heads hd", P("fsdp", None, None)]
+    wk: Float[Array, "d heads hd", P("fsdp", None, None)]
+    wv: Float[Array, "d heads hd", P("fsdp", None, None)]
+    wo: Float[Array, "heads hd d", P(None, None, "fsdp")]
+    ln2: Float[Array, "d", P(None)]
+    w_gate: Float[Array, "d dense_f", P("fsdp", None)]
+    w_up: Float[Array, "d dense_f", P("fsdp", None)]
+    w_down: Float[Array, "dense_f d", P(None, "fsdp")]
+
+
+class DenseStack(NamedTuple):
+    """The dense layers' weights, stacked: `Dense`'s fields, in order."""
+
+    ln1: Float[Array, "dense_layers d", P(None, None)]
+    wq: Float[Array, "dense_layers d heads hd", P(None, "fsdp", None, None)]
+    wk: Float[Array, "dense_layers d heads hd", P(None, "fsdp", None, None)]
+    wv: Float[Array, "dense_layers d heads hd", P(None, "fsdp", None, None)]
+    wo: Float[Array, "dense_layers heads hd d", P(None, None, None, "fsdp")]
+    ln2: Float[Array, "dense_layers d", P(None, None)]
+    w_gate: Float[Array, "dense_layers d dense_f", P(None, "fsdp", None)]
+    w_up: Float[Array, "dense_layers d dense_f", P(None, "fsdp", None)]
+    w_down: Float[Array, "dense_layers dense_f d", P(None, None, "fsdp")]
+
+
+class Params(NamedTuple):
+    dense: DenseStack
+    moe: Stack
+
+
 class State(NamedTuple):
     """The weights and Adam's moments, laid out alike."""
 
-    params: Stack
-    mu: Stack
-    nu: Stack
+    params: Params
+    mu: Params
+    nu: Params
     step: Int[Array, "", P()]
 
 
@@ -134,8 +168,9 @@ def norm(x: Array, scale: Array) -> Array:
 
 
 @jaxshard.jaxtyped(typechecker=beartype)
-def attention(p: Block, x: X) -> X:
-    """Causal softmax attention, each device computing its own sequences."""
+def attention(p, x: X) -> X:
+    """Causal softmax attention, each device computing its own sequences (`p`: a
+    `Block` or a `Dense`, whose contracts `moe_layer` and `dense_layer` check)."""
     h = norm(x, p.ln1)
     q, k, v = (constrain(jnp.einsum("bsd,dhk->bshk", h, w), Heads) for w in p[1:4])
     scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(q.shape[-1])
@@ -247,13 +282,30 @@ def moe(p: Block, x: X, cfg: Config) -> X:
 
 
 @jaxshard.jaxtyped(typechecker=beartype)
-def model(params: Stack, x: X, cfg: Config) -> X:
-    @jax.checkpoint  # keep each layer's input only; recompute the rest for the grads
-    def layer(x, weights):
-        p = Block(*weights)
-        return moe(p, attention(p, x), cfg), None
+def moe_layer(p: Block, x: X, cfg: Config) -> X:
+    return moe(p, attention(p, x), cfg)
 
-    x, _ = jax.lax.scan(layer, x, params)
+
+@jaxshard.jaxtyped(typechecker=beartype)
+def dense_layer(p: Dense, x: X) -> X:
+    x = attention(p, x)
+    h = norm(x, p.ln2)
+    return x + constrain(jax.nn.silu(h @ p.w_gate) * (h @ p.w_up) @ p.w_down, X)
+
+
+@jaxshard.jaxtyped(typechecker=beartype)
+def model(params: Params, x: X, cfg: Config) -> X:
+    # Each layer keeps its input only; the rest is recomputed for the gradients.
+    @jax.checkpoint
+    def dense(x, weights):
+        return dense_layer(Dense(*weights), x), None
+
+    @jax.checkpoint
+    def sparse(x, weights):
+        return moe_layer(Block(*weights), x, cfg), None
+
+    x, _ = jax.lax.scan(dense, x, params.dense)
+    x, _ = jax.lax.scan(sparse, x, params.moe)
     return x
 
 
@@ -279,21 +331,24 @@ def train_step(
         return (w - lr * m_hat / (jnp.sqrt(v_hat) + eps)).astype(w.dtype)
 
     params = jax.tree.map(update, state.params, mu, nu)
-    return State(Stack(*params), Stack(*mu), Stack(*nu), step), loss
+    return State(params, mu, nu, step), loss
 
 
 # --- verifying ----------------------------------------------------------------------
 
-# DeepSeek-V3: 61 layers, d 7168, 128 heads of 128, 256 routed experts (top 8) and
-# one shared, each of hidden size 2048; batches of 8,960 sequences of 4,096 tokens.
+# DeepSeek-V3: 61 layers (3 dense, of hidden size 18432), d 7168, 128 heads of 128,
+# 256 routed experts (top 8) and one shared, each of hidden size 2048; batches of
+# 8,960 sequences of 4,096 tokens.
 FULL = {
     "dims": {
-        "layers": 61,
+        "dense_layers": 3,
+        "layers": 58,
         "d": 7168,
         "heads": 128,
         "hd": 128,
         "experts": 256,
         "f": 2048,
+        "dense_f": 18432,
         "batch": 8960,
         "seqlen": 4096,
     },
@@ -302,12 +357,14 @@ FULL = {
 }
 SMALL = {
     "dims": {
+        "dense_layers": 1,
         "layers": 2,
         "d": 64,
         "heads": 4,
         "hd": 16,
         "experts": 8,
         "f": 32,
+        "dense_f": 128,
         "batch": 16,
         "seqlen": 16,
     },

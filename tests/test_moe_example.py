@@ -80,10 +80,12 @@ def test_an_expert_weight_split_over_the_wrong_axis_is_a_violation(moe, mesh):
     state, *_ = jaxshard.abstract_args(
         moe.train_step, mesh, setup["dims"], jnp.bfloat16, values={"cfg": cfg}
     )
-    w = state.params.w_gate  # experts over "fsdp", d over "ep": swapped
+    w = state.params.moe.w_gate  # experts over "fsdp", d over "ep": swapped
     swapped = NamedSharding(mesh, P(None, "fsdp", "ep", None))
     params = state.params._replace(
-        w_gate=jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=swapped)
+        moe=state.params.moe._replace(
+            w_gate=jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=swapped)
+        )
     )
     report = jaxshard.verify(
         moe.train_step,
@@ -95,7 +97,7 @@ def test_an_expert_weight_split_over_the_wrong_axis_is_a_violation(moe, mesh):
     )
     assert not report.ok
     found = {(r.function.rsplit(".")[-1], r.name) for r in report.violations}
-    assert ("train_step", "state.params.w_gate") in found, found
+    assert ("train_step", "state.params.moe.w_gate") in found, found
 
 
 def test_the_example_reports_the_misplaced_expert_weight(moe, mesh):
