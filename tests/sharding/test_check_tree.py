@@ -5,6 +5,7 @@ from typing import NamedTuple
 
 import beartype
 import equinox as eqx
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import jaxtyping
@@ -171,3 +172,17 @@ def test_a_checked_registered_dataclass_is_checked_when_made_not_rebuilt(mesh):
     with jax.set_mesh(mesh):
         out = jax.jit(lambda m: m, out_shardings=shardings)(mlp)
     assert out.w.sharding == shardings.w
+
+
+def test_linen_boxes_are_checked_against_their_names(mesh):
+    """A flax linen box carries its partitioning, as an nnx Variable does:
+    `check_tree` checks what it holds against it, by the box's path."""
+    boxed = nn.Partitioned(put((8, 4), mesh, P("tp", None)), names=(None, "tp"))
+    params = {"dense": {"kernel": boxed, "bias": put((4,), mesh, P())}}
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jaxshard.check_tree(params, name="params")
+    message = str(e.value)
+    assert message.startswith("check_tree(params): params['dense']['kernel'] is ")
+    assert "where its metadata says P(None, 'tp')" in message
+    params["dense"]["kernel"] = boxed.replace_boxed(put((8, 4), mesh, P(None, "tp")))
+    jaxshard.check_tree(params)
