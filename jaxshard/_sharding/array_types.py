@@ -278,6 +278,7 @@ class _MetaShardedDtype(_MetaAbstractDtype):
         # jaxtyping's own `__getitem__`, called on this class: the annotation's
         # `.dtype` is jaxshard's class (a subclass of jaxtyping's), and pickling, which
         # rebuilds an annotation from its `.dtype`, gives jaxshard's back.
+        _check_shape_string(cls, item)
         if isinstance(item, tuple) and len(item) == 3:
             array_type, dim_str, spec = item
             plain = super().__getitem__((array_type, dim_str))
@@ -291,6 +292,44 @@ class _MetaShardedDtype(_MetaAbstractDtype):
         return (
             _made(out, item[1]) if isinstance(item, tuple) and len(item) == 2 else out
         )
+
+
+def _check_shape_string(dtype: Any, item: Any) -> None:
+    """Raises unless the second item of `Float[Array, ...]` is the shape string:
+    jaxtyping would fail on a spec there with an `AttributeError` of its own."""
+    if not (isinstance(item, tuple) and len(item) in (2, 3)):
+        return  # jaxtyping says what is wrong with a missing shape
+    second = item[1]
+    if isinstance(second, str) or hasattr(second, "strip"):
+        return  # a shape string (jaxtyping reads any that `strip`s)
+    name, array = dtype.__name__, _type_name(item[0])
+    if not (isinstance(second, (PartitionSpec, L)) or second is BY_NAME):
+        raise AnnotationError(
+            f"The second item of `{name}[{array}, ...]` must be the shape string, "
+            f'e.g. `{name}[{array}, "batch d"]`; got {second!r} of type '
+            f"{type(second).__name__}."
+        )
+    spec = format_spec(second) if isinstance(second, PartitionSpec) else repr(second)
+    if len(item) == 3 and isinstance(item[2], str):
+        raise AnnotationError(
+            f"`{name}[{array}, {spec}, {item[2]!r}]` has the spec before the shape "
+            f"string: the shape comes second, the spec third. Write "
+            f"`{name}[{array}, {item[2]!r}, {spec}]`."
+        )
+    rank = max(1, len(second)) if second is not BY_NAME else 2
+    example = " ".join(("batch", "seq", "d", "e", "f", "g", "h", "i")[:rank])
+    raise AnnotationError(
+        f"`{name}[{array}, {spec}]` has no shape string: the second item of a "
+        "jaxshard annotation is the array's dimensions, and the spec comes third. "
+        f'Write `{name}[{array}, "dims...", {spec}]`, e.g. '
+        f'`{name}[{array}, "{example}", {spec}]`.'
+    )
+
+
+def _type_name(array_type: Any) -> str:
+    """`Array`, `ndarray | Array`: the array type as an annotation's repr shows it."""
+    members = get_args(array_type) if get_origin(array_type) in _union_types else ()
+    return " | ".join(getattr(t, "__name__", repr(t)) for t in members or (array_type,))
 
 
 def _made(annotation: Any, shown: Any) -> Any:

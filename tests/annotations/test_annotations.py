@@ -128,6 +128,26 @@ def test_bad_annotations_fail_early(item, fragment):
         Float[item]
 
 
+def test_a_spec_without_its_shape_string_says_so():
+    """`Float[Array, P("data", None)]`: the shape string forgotten. An
+    AnnotationError where the annotation is made, showing where each item goes, not
+    jaxtyping's `AttributeError: 'P' object has no attribute 'strip'`."""
+    with pytest.raises(jaxtyping.AnnotationError) as e:
+        Float[Array, P("data", None)]
+    message = str(e.value)
+    assert message.startswith("`Float[Array, P('data', None)]` has no shape string")
+    assert "Write `Float[Array, \"dims...\", P('data', None)]`" in message
+    assert "`Float[Array, \"batch seq\", P('data', None)]`" in message
+    with pytest.raises(jaxtyping.AnnotationError, match="has no shape string"):
+        Float[Array, jaxshard.L("batch", None)]
+    with pytest.raises(jaxtyping.AnnotationError) as e:
+        Float[Array, P("data"), "b d"]
+    assert "has the spec before the shape string" in str(e.value)
+    assert "Write `Float[Array, 'b d', P('data')]`" in str(e.value)
+    with pytest.raises(jaxtyping.AnnotationError, match="got 3 of type int"):
+        Float[Array, 3]
+
+
 def test_variadic_allows_a_longer_spec():
     ann = Float[Array, "*batch d", P("dp", "tp", None)]
     assert jaxshard.partition_spec(ann) == P("dp", "tp", None)
