@@ -124,19 +124,32 @@ def _bound_inputs(
     # Names in `dims` no annotation uses: a misspelled one is what an unbound
     # dimension's name is suggested from.
     inputs.stray = sorted(set(inputs.dims) - _dimension_names(hints.values()))
-    out = {}
+    out, uneven = {}, []
     for p in sig.parameters.values():
         if p.name in values:
             out[p.name] = place_partitioned(values[p.name], mesh)
+            uneven += _uneven_values(p.name, out[p.name])
         elif p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         elif p.default is not p.empty:
             continue  # parameters with defaults keep them
         else:
             out[p.name] = _tree(hints.get(p.name, Any), inputs.leaf, p.name)
-    problems = inputs.problems(_name(fn))
+    problems = inputs.problems(_name(fn)) + uneven
     if problems:
         raise ValueError(f"{what}: " + ". Also, ".join(problems) + ".")
+    return out
+
+
+def _uneven_values(name: str, tree: Any) -> list[str]:
+    """Why the arrays of `values[name]` cannot be laid out as their shardings say (a
+    dimension that the mesh axes do not divide), one sentence each."""
+    out = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and hasattr(leaf, "shape"):
+            where = f"values[{name!r}]{jax.tree_util.keystr(path)}"
+            out += _uneven(sharding.spec, tuple(leaf.shape), sharding.mesh, where)
     return out
 
 

@@ -148,3 +148,20 @@ def test_an_nnx_loss_step_that_returns_only_the_loss(auto_mesh):
     [note] = [n for n in report.notes if "never reads" in n]
     assert "opt.opt_state[0].mu['up']['kernel']" in note and "opt.step" in note
     assert "model." not in note
+
+
+def test_a_value_laid_out_unevenly_is_refused_before_compiling(auto_mesh):
+    """A value whose sharding splits a dimension the mesh axes do not divide is a
+    ValueError naming its path, not JAX's IndivisibleError from the compile."""
+
+    def f(x):
+        return x * 2
+
+    x = jax.ShapeDtypeStruct(
+        (6, 4), jnp.float32, sharding=NamedSharding(auto_mesh, P("dp", None))
+    )
+    with pytest.raises(ValueError) as e:
+        jaxshard.verify(f, mesh=auto_mesh, values={"x": {"w": x}})
+    message = str(e.value)
+    assert message.startswith("jaxshard.verify(f): values['x']['w']: dimension 0 ")
+    assert "has size 6, which P('dp', None) splits 4 ways over dp" in message
