@@ -85,7 +85,7 @@ class _MetaShardedArray(ArrayMeta):
             snapshot = save_dim_memo()
             reason = ArrayMeta.__instancecheck_str__(cls, obj)
             if reason or in_tree_flatten():
-                return reason
+                return _shape_failure(cls, obj, reason)
             reason = layout.check(cls, obj, value)
         else:
             # A concrete array's check has no side effect: do it first, so that the
@@ -95,7 +95,7 @@ class _MetaShardedArray(ArrayMeta):
                 reason = _plain_check(cls, obj)
                 if not reason and obj is value and not in_tree_flatten():
                     dtypes[obj.dtype] = True  # see the fast path
-                return reason
+                return _shape_failure(cls, obj, reason)
             snapshot = save_dim_memo()
             plain = ArrayMeta.__instancecheck_str__(cls, obj)
             if in_tree_flatten():
@@ -103,6 +103,11 @@ class _MetaShardedArray(ArrayMeta):
             if plain:
                 if not layout.is_array_like(obj):
                     return plain
+                if isinstance(value, jax.Array):
+                    # Its rank, shape or dtype is wrong: that, not how it is laid
+                    # out (which no spec of this rank can describe), is the error.
+                    restore_dim_memo(snapshot)
+                    return _shape_failure(cls, obj, plain)
                 # A numpy array or a scalar: say that it has no sharding.
                 reason = f"{plain.rstrip('.')}; {reason}"
         if reason:
@@ -139,6 +144,15 @@ class _MetaShardedArray(ArrayMeta):
 
     def __repr__(cls) -> str:
         return cls.__name__
+
+
+def _shape_failure(cls: Any, obj: Any, reason: str) -> str:
+    """`reason`, jaxtyping's why an array's shape or dtype is not `cls`'s, noted for
+    the enclosing `jaxshard.jaxtyped` call's message (whose error is jaxtyping's
+    `TypeCheckError`, now saying why); "" stays ""."""
+    if reason and not in_tree_flatten() and layout.is_array_like(obj):
+        decorator.note_failure(obj, reason, sharding=False, annotation=cls)
+    return reason
 
 
 class _MetaLogicalArray(_MetaShardedArray):

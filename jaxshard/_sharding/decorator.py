@@ -3,7 +3,9 @@ with a sharding."""
 
 import functools as ft
 import inspect
+import os
 import threading
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Literal, overload, ParamSpec, TypeVar
@@ -75,8 +77,10 @@ def _reasons(notes: list[tuple[str, str, str, bool]]) -> list[str]:
 
 def _message(message: str, notes: list, fn: Callable, args: tuple, kwargs: dict):
     """jaxtyping's `message`, its dumps of the arguments cut to a line each, under
-    the cause: the first sharding that failed (all of them listed last), or the
-    dimension two arguments bind to different sizes."""
+    the cause: the first check that failed (a sharding, or why a shape or dtype is
+    not the annotation's), or the dimension two arguments bind to different sizes.
+    Each failure is said once: those the first line does not say are listed last,
+    under "Sharding:" (or "Shape:", where none is a sharding)."""
     from .bindings import cut_dumps, dimension_conflict
 
     conflict = dimension_conflict(fn, args, kwargs, message)
@@ -86,11 +90,17 @@ def _message(message: str, notes: list, fn: Callable, args: tuple, kwargs: dict)
         message = f"{name}: {conflict}\n{message}"
     if not notes:
         return message
-    reasons = _reasons(notes)
-    more = f" ({len(reasons) - 1} more below)" if len(reasons) > 1 else ""
+    unique = list(dict.fromkeys(notes))
+    reasons = [r.rstrip(".") + "." for r in _reasons(unique)]
+    if not conflict:
+        more = f" ({len(reasons) - 1} more below)" if len(reasons) > 1 else ""
+        message = f"{reasons[0].rstrip('.')}{more}.\n{message}"
+        unique, reasons = unique[1:], reasons[1:]
+    if not reasons:
+        return message
+    title = "Sharding" if any(n[3] for n in unique) else "Shape"
     details = "\n".join(f"- {reason}" for reason in reasons)
-    head = "" if conflict else f"{reasons[0]}{more}\n"
-    return f"{head}{message}\n----------------------\nSharding:\n{details}"
+    return f"{message}\n----------------------\n{title}:\n{details}"
 
 
 def _with_notes(checked, fn, modules: bool = True):
@@ -175,14 +185,38 @@ def _is_unannotated(fn: Any) -> bool:
 
 def _jaxtyping_jaxtyped(fn: Any, typechecker: Any) -> Any:
     if typechecker is _sentinel:
-        if _is_typechecked(fn) or _is_unannotated(fn):
-            # The old syntax (`@jaxtyped @beartype`), or nothing a typechecker would
-            # check: as jaxtyping has it, warning as it does.
+        if _is_typechecked(fn):
+            # The old syntax (`@jaxtyped @beartype`): as jaxtyping has it, warning
+            # as it does.
             return jaxtyping.jaxtyped(fn)
+        if _is_unannotated(fn):
+            # Nothing a typechecker would check: jaxtyping's wrapper, as for the old
+            # syntax, but not its warning about that syntax, which the user did not
+            # write.
+            name = getattr(fn, "__qualname__", repr(fn))
+            warnings.warn(
+                f"jaxshard.jaxtyped: {name} has no annotations, so there is nothing "
+                "to check; annotate its parameters or return value, or leave the "
+                "decorator out.",
+                stacklevel=_user_frame(),
+            )
+            return jaxtyping.jaxtyped(fn, typechecker=None)
         import beartype
 
         typechecker = beartype.beartype
     return jaxtyping.jaxtyped(fn, typechecker=typechecker)
+
+
+def _user_frame() -> int:
+    """The `stacklevel` of a warning about the caller's decorator: the first frame
+    outside jaxshard (`@jaxshard.jaxtyped` may recurse, through a classmethod or a
+    property)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = inspect.currentframe()
+    frame, level = (here.f_back if here is not None else None), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 _T = TypeVar("_T")
@@ -217,15 +251,18 @@ def jaxtyped(fn: Any = _sentinel, *, typechecker: Any = _sentinel) -> Any:
 
     - Without `typechecker=`, parameters and return values are checked with beartype
         (jaxtyping would check nothing and warn). A function already wrapped by
-        beartype or typeguard (jaxtyping's old `@jaxtyped @beartype` syntax), or a
-        function with no annotations (which a typechecker leaves as it is), is
-        treated as jaxtyping treats it: checked once, by that wrapper if any, with
-        jaxtyping's warning recommending the new syntax.
+        beartype or typeguard (jaxtyping's old `@jaxtyped @beartype` syntax) is
+        treated as jaxtyping treats it: checked once, by that wrapper, with
+        jaxtyping's warning recommending the new syntax. A function with no
+        annotations, which a typechecker leaves as it is, is wrapped as jaxtyping
+        wraps it, with a one-line warning that there is nothing to check.
         `typechecker=None` is jaxtyping's: only `isinstance` checks in the body count.
     - When a sharding check fails, the error is a `jaxshard.ShardingError` (a
-        `jaxtyping.TypeCheckError`) whose message ends with the sharding details: the
+        `jaxtyping.TypeCheckError`) whose first line says what was wrong: the
         parameter, the expected and actual specs, the mesh, and the array's dtype and
-        shape. (jaxtyping's own message shows only the expected type.)
+        shape; other failures are listed after jaxtyping's message. (jaxtyping's own
+        message shows only the expected type.) An array of the wrong rank, shape or
+        dtype is jaxtyping's `TypeCheckError`, whose first line says which.
     - A parameter annotated with a flax nnx Module class (`model: Decoder`) is
         checked whole, not by its type alone, in an eager call: each Variable that
         carries its partitioning (`nnx.with_partitioning`) against that metadata,

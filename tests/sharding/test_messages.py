@@ -95,6 +95,62 @@ def test_a_misspelled_setting():
         jaxshard.config(checks="defered")
 
 
+# --- each failure said once, a wrong rank as a shape error ---------------------------
+
+
+def _rank(x: Float[Array, "b d", P("dp", None)]) -> Float[Array, "b"]:
+    return x.sum(1)
+
+
+def _two(x: Float[Array, "b d", P("dp", None)] | Float[Array, "b d", P(None, "tp")]):
+    return x
+
+
+def test_a_sharding_violation_is_said_once(typechecker, explicit_mesh):
+    """The first line says what failed; it is not said again under "Sharding:",
+    which lists only the others (here, the union's other member)."""
+    f = jaxshard.jaxtyped(_two, typechecker=typechecker)
+    with jax.set_mesh(explicit_mesh):
+        with pytest.raises(jaxshard.ShardingError) as one:
+            jaxshard.jaxtyped(_rank, typechecker=typechecker)(
+                put((8, 16), explicit_mesh, P("tp"))
+            )
+        with pytest.raises(jaxshard.ShardingError) as two:
+            f(put((8, 4), explicit_mesh, P()))
+    message = str(one.value)
+    first = message.splitlines()[0]
+    assert first.startswith("test_messages._rank, parameter 'x': this array ")
+    assert "is sharded as P('tp', None)" in first
+    assert message.count("is sharded as P('tp', None)") == 1
+    assert "Sharding:" not in message
+    message = str(two.value)
+    first = message.splitlines()[0]
+    assert "expects P('dp', None)" in first and first.endswith("(1 more below).")
+    section = message.split("\nSharding:\n", 1)[1]
+    assert section.startswith("- test_messages._two, parameter 'x': this array ")
+    assert "expects P(None, 'tp')" in section and "P('dp', None)" not in section
+
+
+def test_a_wrong_rank_is_a_shape_error_that_names_it(typechecker, explicit_mesh):
+    """An array of rank 3 given to a rank-2 annotation: jaxtyping's TypeCheckError
+    whose first line names the rank, not a ShardingError about a layout no spec of
+    rank 2 describes (whatever it is laid out as)."""
+    f = jaxshard.jaxtyped(_rank, typechecker=typechecker)
+    with jax.set_mesh(explicit_mesh):
+        for spec in (P("dp"), P(None, "dp")):
+            x = put((8, 16, 64), explicit_mesh, spec)
+            for call in (f, jax.jit(f)):
+                with pytest.raises(jaxtyping.TypeCheckError) as e:
+                    call(x)
+                assert not isinstance(e.value, jaxshard.ShardingError)
+                message = str(e.value)
+                assert message.splitlines()[0] == (
+                    "test_messages._rank, parameter 'x': this array has 3 "
+                    "dimensions, not the 2 expected by the type hint."
+                )
+                assert "Sharding:" not in message and "is sharded" not in message
+
+
 # --- a dimension bound twice ---------------------------------------------------------
 
 

@@ -44,6 +44,14 @@ def compiles(fn, *args, mesh=None) -> str | None:
 # --- P.UNCONSTRAINED: any layout of its dimension -----------------------------------
 
 
+def failures(error: Exception) -> str:
+    """What a `jaxtyped` call's error says of its failed checks: its first line and
+    its "Sharding:" section, without jaxtyping's message between them (which names
+    every parameter)."""
+    head, sep, rest = str(error).partition("\nType-check error whilst")
+    return head + (rest.partition("\nSharding:")[2] if sep else "")
+
+
 @pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
 def test_unconstrained_never_names_an_axis_twice(kind):
     """Filled in from the array, an unconstrained entry does not take an axis that
@@ -60,7 +68,7 @@ def test_unconstrained_never_names_an_axis_twice(kind):
     if kind == AxisType.Explicit:
         with pytest.raises(jaxshard.ShardingError) as e:
             f(x)
-        sharding = str(e.value).split("Sharding:", 1)[1]
+        sharding = failures(e.value)
         assert "P('a', None)" in sharding and "P(P.UNCONSTRAINED, 'a')" in sharding
     else:
         message = compiles(f, x)  # not JaxRuntimeError from inspect_sharding
@@ -308,7 +316,7 @@ def test_the_message_names_the_value_that_failed(kind, explicit_mesh, auto_mesh)
         else:
             with pytest.raises(jaxshard.ShardingError) as e:
                 fn(*args) if kind == "eager" else jax.jit(fn).trace(*args)
-            message = str(e.value).split("Sharding:", 1)[1]
+            message = failures(e.value)
         assert message is not None
         wanted = name if name.startswith("the") else f"parameter {name!r}"
         assert wanted in message, message
@@ -344,16 +352,26 @@ def test_a_malformed_shape_string_is_refused_when_built(text):
     Float[Array, "batch-1 2*d {x}"]  # expressions, f-string fields: fine
 
 
-def test_an_unannotated_function_warns_as_jaxtyping_does():
-    """jaxtyping's old double-decorator syntax on a function a typechecker leaves as
-    it is: jaxshard warns as jaxtyping does, and checks nothing more."""
+def test_an_unannotated_function_warns_in_one_line():
+    """A function with no annotations (beartype leaves one as it is, so under
+    jaxtyping's old `@jaxtyped @beartype` syntax too): one line saying there is
+    nothing to check, not jaxtyping's warning about a syntax the user did not
+    write; the function is wrapped as jaxtyping wraps it and checks nothing."""
 
     async def gen():
         return 1
 
     for typechecker in (beartype.beartype, lambda fn: fn):
-        with pytest.warns(UserWarning, match="As of jaxtyping version 0.2.24"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             f = jaxshard.jaxtyped(typechecker(gen))
+        [warning] = caught
+        assert str(warning.message) == (
+            "jaxshard.jaxtyped: test_an_unannotated_function_warns_in_one_line."
+            "<locals>.gen has no annotations, so there is nothing to check; annotate "
+            "its parameters or return value, or leave the decorator out."
+        )
+        assert warning.filename == __file__  # the decorator's line, not jaxshard's
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert asyncio.run(f()) == 1
@@ -397,5 +415,5 @@ def test_vmap_outside_jit_checks_in_the_call(auto_mesh):
             False,
             False,
         ]
-    sharding = str(e.value).split("Sharding:", 1)[1]
+    sharding = failures(e.value)
     assert "parameter 'x'" in sharding and "is sharded as P('dp')" in sharding
