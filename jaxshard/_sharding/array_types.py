@@ -343,7 +343,9 @@ def _check_shape_string(dtype: Any, item: Any) -> None:
 def _type_name(array_type: Any) -> str:
     """`Array`, `ndarray | Array`: the array type as an annotation's repr shows it."""
     members = get_args(array_type) if get_origin(array_type) in _union_types else ()
-    return " | ".join(getattr(t, "__name__", repr(t)) for t in members or (array_type,))
+    # Some jax versions' `jax.Array` calls itself `jaxlib._jax.Array`.
+    names = (getattr(t, "__name__", repr(t)) for t in members or (array_type,))
+    return " | ".join(n.rsplit(".", 1)[-1] for n in names)
 
 
 def _made(annotation: Any, shown: Any) -> Any:
