@@ -8,7 +8,8 @@ with a base class all lead to the fields of the objects they hold), and narrowin
 annotation through `tuple[...]`, `list[...]`, `dict[...]`, `PyTree[...]`, unions and
 `nnx.Param[...]`. A leaf with no array annotation takes the partitioning its flax box
 or nnx Variable carries (`nnx.with_partitioning`, `nn.with_logical_partitioning`), as
-`check_partitioning` reads it. `jaxshard.summary` reads the same plan.
+`check_partitioning` reads it. A concrete array that nothing lays out is replicated
+over the mesh by `device_put` (`_unstated`). `jaxshard.summary` reads the same plan.
 """
 
 import dataclasses
