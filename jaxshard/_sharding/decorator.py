@@ -103,13 +103,19 @@ def _message(message: str, notes: list, fn: Callable, args: tuple, kwargs: dict)
     return f"{message}\n----------------------\n{title}:\n{details}"
 
 
+# What checks a function's nnx Module arguments against their Variables' metadata
+# (`nnx.ModuleParameters`, which `nnx`, a module above this one, puts here when the
+# package is imported).
+module_parameters: list[Callable] = []
+
+
 def _with_notes(checked, fn, modules: bool = True):
     """`checked`, whose errors say what was wrong with a sharding; with `modules`,
     an nnx Module argument's Variables are checked against their metadata too (see
     `nnx.ModuleParameters`)."""
-    from .nnx import ModuleParameters
-
-    parameters = ModuleParameters(fn) if modules else None
+    parameters = None
+    if modules and module_parameters:
+        parameters = module_parameters[0](fn)
 
     @ft.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -211,7 +217,7 @@ def _user_frame() -> int:
     """The `stacklevel` of a warning about the caller's decorator: the first frame
     outside jaxshard (`@jaxshard.jaxtyped` may recurse, through a classmethod or a
     property)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     here = inspect.currentframe()
     frame, level = (here.f_back if here is not None else None), 1
     while frame is not None and frame.f_code.co_filename.startswith(package):
