@@ -140,11 +140,14 @@ from ._errors import (
     UntestedVersionWarning as UntestedVersionWarning,
 )
 from ._jax_internals import TESTED_JAX as TESTED_JAX
+from ._sharding import nnx as _nnx  # noqa: F401 (puts its Module check in jaxtyped)
 from ._sharding.constrain import constrain as constrain
 from ._sharding.decorator import jaxtyped as jaxtyped
-from ._sharding.partitioning import check_partitioning as check_partitioning
+from ._sharding.partitioning import (
+    check_partitioning as check_partitioning,
+    check_tree as check_tree,
+)
 from ._sharding.signature import shardings as shardings
-from ._sharding.tree import check_tree as check_tree
 from ._values.checked import (
     checked as checked,
     deferred_checks as deferred_checks,

@@ -12,24 +12,12 @@ from typing import Any, get_args, get_origin
 import jax
 
 from .._annotations.hints import type_hints
-from .partitioning import partitioned_leaves
+from . import decorator
+from .partitioning import METADATA, metadata_checks
 from .tree import _check_all
 
 
-METADATA = "its metadata"
 _union_types = (typing.Union, type(int | str))
-
-
-def metadata_checks(tree: Any, name: str, annotated: set[str]) -> list:
-    """`_check_all`'s entries for each leaf of `tree` that carries its partitioning
-    (an nnx Variable's metadata, a flax linen box's names) and whose path, `name`
-    and its keys (`Decoder.blocks[0].up.kernel`), is none of `annotated`: an
-    annotation, where there is one, says the layout."""
-    return [
-        (*entry, METADATA)
-        for entry in partitioned_leaves(tree, None, name)
-        if entry[0] not in annotated
-    ]
 
 
 def is_module_class(annotation: Any) -> bool:
@@ -112,3 +100,6 @@ class ModuleParameters:
 def _name(fn: Callable) -> str:
     """`module.qualname`, as jaxtyping names a function in its messages."""
     return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)}"
+
+
+decorator.module_parameters.append(ModuleParameters)

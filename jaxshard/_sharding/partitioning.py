@@ -1,6 +1,8 @@
-"""`jaxshard.check_partitioning`: a parameter tree's arrays against the partitioning
-their leaves carry (flax linen's boxes, nnx Variables) or against a layout tree (of
-specs, shardings or `ShapeDtypeStruct`s), and `jaxshard.Partitioned`."""
+"""`jaxshard.check_tree` and `jaxshard.check_partitioning`: a tree's arrays against
+their annotations (and, where none reaches them, the partitioning they carry), and a
+parameter tree's arrays against the partitioning their leaves carry (flax linen's
+boxes, nnx Variables) or against a layout tree (of specs, shardings or
+`ShapeDtypeStruct`s), and `jaxshard.Partitioned`."""
 
 import functools as ft
 from collections.abc import Mapping
@@ -15,7 +17,8 @@ from .._annotations.spec import axes_of
 from .._errors import ShardingError, TypeCheckError, user_facing
 from .array_types import Shaped
 from .boxes import is_box, is_variable, unboxed
-from .tree import _check_all, _is_array, Stated
+from .constrain import as_annotation, spec_name
+from .tree import _check_all, _collect, _is_array, Stated
 
 
 @user_facing
@@ -270,3 +273,78 @@ class Partitioned(metaclass=_PartitionedMeta):
             ...
         ```
     """
+
+
+METADATA = "its metadata"
+
+
+def metadata_checks(tree: Any, name: str, annotated: set[str]) -> list:
+    """`_check_all`'s entries for each leaf of `tree` that carries its partitioning
+    (an nnx Variable's metadata, a flax linen box's names) and whose path, `name`
+    and its keys (`Decoder.blocks[0].up.kernel`), is none of `annotated`: an
+    annotation, where there is one, says the layout."""
+    return [
+        (*entry, METADATA)
+        for entry in partitioned_leaves(tree, None, name)
+        if entry[0] not in annotated
+    ]
+
+
+@user_facing
+def check_tree(tree: Any, annotation: Any = None, *, name: str | None = None) -> None:
+    """Checks every array in `tree` against its annotation: shape, dtype and sharding.
+
+    An equinox Module's fields are checked by jaxtyping when it is made (`__init__`),
+    and not after `eqx.tree_at`, an optimizer update or any other change.
+    `check_tree(model)` checks them whenever it is called: every field of the Module,
+    dataclass or NamedTuple, at any depth (`tuple[...]`, `list[...]`, `dict[...]`,
+    `PyTree[...]` and `Optional` fields included), with one set of dimension bindings
+    for the whole tree. Any other class with annotated attributes is walked the same
+    way, such as a `flax.nnx.Module` whose attributes are annotated
+    `nnx.Param[Float[Array, "d f", P(None, "tp")]]` (the array a Param holds is
+    checked). A weight that no annotation reaches but that carries its partitioning,
+    an nnx Variable made with `nnx.with_partitioning` by a layer (`nnx.Linear`'s
+    kernel) or a flax linen box, is checked against that metadata, as
+    `check_partitioning` checks it (logical names resolved under the rules in
+    force); where both say, the annotation does. Eagerly it raises at once; inside
+    `jax.jit` it checks as annotations do there (at trace time on Explicit meshes,
+    when XLA compiles on Auto meshes).
+
+    **Arguments:**
+
+    - `tree`: the value, e.g. an equinox Module.
+    - `annotation`: its type; by default `type(tree)`. For one array, an array
+        annotation, or a bare `PartitionSpec` or `jaxshard.L(...)` as
+        `jaxshard.constrain` takes them (of its shape and dtype, only the rank is
+        checked).
+    - `name`: what to call it in messages (default: its class's name).
+
+    **Raises:**
+
+    `jaxshard.ShardingError` if an array is sharded other than as annotated (or as
+    its metadata says), else `jaxtyping.TypeCheckError` if one has the wrong shape or
+    dtype; the message lists every failing array by its path
+    (`Decoder.blocks[0].up.kernel`).
+
+    !!! Example
+
+        ```python
+        model = eqx.tree_at(lambda m: m.w, model, new_w)
+        jaxshard.check_tree(model)  # is model.w still sharded as annotated?
+        ```
+    """
+    name = spec_name(annotation) if name is None else name
+    annotation = type(tree) if annotation is None else annotation
+    annotation = as_annotation(annotation, "jaxshard.check_tree")
+    name = getattr(annotation, "__name__", "tree") if name is None else name
+    found: list[tuple[str, Any, Any]] = []
+    _collect(tree, annotation, name, found)
+    carried = metadata_checks(tree, name, {where for where, *_ in found})
+    said = " or metadata" if found and carried else ""
+    _check_all(
+        f"check_tree({name})",
+        [(where, expected, value, None) for where, expected, value in found] + carried,
+        f"{{}} arrays do not match their annotations{said}"
+        if found or not carried
+        else "{} arrays are not partitioned as their metadata says",
+    )

@@ -1,5 +1,6 @@
-"""`jaxshard.check_tree`: check the arrays of a Module, dataclass or NamedTuple against
-their annotations at any point, not only when it is made."""
+"""The arrays of a Module, dataclass or NamedTuple against their annotations: each
+array found with the annotation that reaches it (`_collect`), and the verdicts on
+them said at once (`_check_all`), for `check_tree` and `check_partitioning`."""
 
 import dataclasses
 import re
@@ -15,79 +16,16 @@ from .. import _config
 from .._annotations.hints import type_hints
 from .._annotations.logical import active_rules, using
 from .._annotations.spec import format_spec, padded
-from .._errors import ShardingError, TypeCheckError, user_facing
+from .._errors import ShardingError, TypeCheckError
 from .._jax_internals import ArrayMeta
 from .array_types import _MetaShardedArray, Shaped
 from .boxes import is_variable
 from .compare import compare
-from .constrain import as_annotation, spec_name
 from .describe import describe_array, describe_mesh, describe_sharding, naming
 from .layout import is_array_like
 
 
 _union_types = (typing.Union, type(int | str))
-
-
-@user_facing
-def check_tree(tree: Any, annotation: Any = None, *, name: str | None = None) -> None:
-    """Checks every array in `tree` against its annotation: shape, dtype and sharding.
-
-    An equinox Module's fields are checked by jaxtyping when it is made (`__init__`),
-    and not after `eqx.tree_at`, an optimizer update or any other change.
-    `check_tree(model)` checks them whenever it is called: every field of the Module,
-    dataclass or NamedTuple, at any depth (`tuple[...]`, `list[...]`, `dict[...]`,
-    `PyTree[...]` and `Optional` fields included), with one set of dimension bindings
-    for the whole tree. Any other class with annotated attributes is walked the same
-    way, such as a `flax.nnx.Module` whose attributes are annotated
-    `nnx.Param[Float[Array, "d f", P(None, "tp")]]` (the array a Param holds is
-    checked). A weight that no annotation reaches but that carries its partitioning,
-    an nnx Variable made with `nnx.with_partitioning` by a layer (`nnx.Linear`'s
-    kernel) or a flax linen box, is checked against that metadata, as
-    `check_partitioning` checks it (logical names resolved under the rules in
-    force); where both say, the annotation does. Eagerly it raises at once; inside
-    `jax.jit` it checks as annotations do there (at trace time on Explicit meshes,
-    when XLA compiles on Auto meshes).
-
-    **Arguments:**
-
-    - `tree`: the value, e.g. an equinox Module.
-    - `annotation`: its type; by default `type(tree)`. For one array, an array
-        annotation, or a bare `PartitionSpec` or `jaxshard.L(...)` as
-        `jaxshard.constrain` takes them (of its shape and dtype, only the rank is
-        checked).
-    - `name`: what to call it in messages (default: its class's name).
-
-    **Raises:**
-
-    `jaxshard.ShardingError` if an array is sharded other than as annotated (or as
-    its metadata says), else `jaxtyping.TypeCheckError` if one has the wrong shape or
-    dtype; the message lists every failing array by its path
-    (`Decoder.blocks[0].up.kernel`).
-
-    !!! Example
-
-        ```python
-        model = eqx.tree_at(lambda m: m.w, model, new_w)
-        jaxshard.check_tree(model)  # is model.w still sharded as annotated?
-        ```
-    """
-    name = spec_name(annotation) if name is None else name
-    annotation = type(tree) if annotation is None else annotation
-    annotation = as_annotation(annotation, "jaxshard.check_tree")
-    name = getattr(annotation, "__name__", "tree") if name is None else name
-    found: list[tuple[str, Any, Any]] = []
-    _collect(tree, annotation, name, found)
-    from .nnx import metadata_checks
-
-    carried = metadata_checks(tree, name, {where for where, *_ in found})
-    said = " or metadata" if found and carried else ""
-    _check_all(
-        f"check_tree({name})",
-        [(where, expected, value, None) for where, expected, value in found] + carried,
-        f"{{}} arrays do not match their annotations{said}"
-        if found or not carried
-        else "{} arrays are not partitioned as their metadata says",
-    )
 
 
 def _check_all(
