@@ -35,7 +35,7 @@ multi-head attention here, not DeepSeek's MLA.
 import math
 import os
 import sys
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 # There is no TPU to run on: libtpu only compiles. JAX must not look for one.
@@ -273,7 +273,7 @@ def moe(p: Block, x: X, cfg: Config) -> X:
     h = norm(x, p.ln2)
     expert = P("ep", None, None)
     routed = jax.shard_map(
-        lambda *a: moe_local(*a, cfg),
+        lambda *a: moe_local(*a, cfg),  # type: ignore[call-arg]
         in_specs=(P(BATCH, None, None), P(None, None), expert, expert, expert),
         out_specs=P(BATCH, None, None),
     )(h, p.router, p.w_gate, p.w_up, p.w_down)
@@ -339,7 +339,7 @@ def train_step(
 # DeepSeek-V3: 61 layers (3 dense, of hidden size 18432), d 7168, 128 heads of 128,
 # 256 routed experts (top 8) and one shared, each of hidden size 2048; batches of
 # 8,960 sequences of 4,096 tokens.
-FULL = {
+FULL: dict[str, Any] = {
     "dims": {
         "dense_layers": 3,
         "layers": 58,
@@ -355,7 +355,7 @@ FULL = {
     "cfg": Config(top_k=8, capacity_factor=1.25),
     "mesh": {"dp": 5, "fsdp": 28, "ep": 64},
 }
-SMALL = {
+SMALL: dict[str, Any] = {
     "dims": {
         "dense_layers": 1,
         "layers": 2,
@@ -425,7 +425,8 @@ def misplaced_expert(mesh, setup) -> "jaxshard.Report":
 
 
 def layout(annotation, mesh) -> jax.sharding.NamedSharding:
-    return jax.sharding.NamedSharding(mesh, jaxshard.partition_spec(annotation))
+    spec = jaxshard.partition_spec(annotation) or P()
+    return jax.sharding.NamedSharding(mesh, spec)
 
 
 def routed_unevenly(mesh, dims) -> tuple[Block, Array, Array]:
@@ -477,7 +478,7 @@ def main() -> int:
     implied = slot_bytes(setup, mesh.size)
     a2a = [c for c in report.collectives if c.kind == "all-to-all"]
     print(f"Each all-to-all moves {implied:,} bytes per device per layer (the slots):")
-    for line in sorted({c.lineno for c in a2a}):
+    for line in sorted({c.lineno for c in a2a if c.lineno is not None}):
         here = [c for c in a2a if c.lineno == line]
         moved = ", ".join(sorted({f"{c.bytes:,} bytes over {c.axes}" for c in here}))
         print(f"  line {line}: {len(here)} (forward, remat, backward): {moved}")
