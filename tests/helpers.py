@@ -1,4 +1,6 @@
+import importlib.util
 import re
+import sys
 
 import beartype
 import jax
@@ -35,3 +37,13 @@ def layer(jaxtyped=jaxshard.jaxtyped, typechecker=beartype.beartype):
         return x @ w
 
     return f
+
+
+def imported(path, name: str):
+    """The module in the file `path`, imported as `name` (an example, or a copy of
+    a model's source that a test wrote)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -3,28 +3,19 @@ verifies, each all-to-all is found at its line with the bytes the shapes imply, 
 expert weight split over the wrong axis is a violation, and too small a capacity is
 reported with the device whose tokens it dropped."""
 
-import importlib.util
 import math
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import imported
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxshard
 
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "moe.py")
-
-
-def imported(path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -187,12 +187,8 @@ def checked_plan(
         found, treedef = plan(tree, annotation, name)
     failures = _mismatches(found)
     if failures:
-        head = (
-            f"{failures[0][0]} does not match its annotation"
-            if len(failures) == 1
-            else f"{len(failures)} arrays do not match their annotations, the first "
-            f"{failures[0][0]}"
-        )
+        head = _head(failures, "does not match its annotation",
+                     "arrays do not match their annotations")  # fmt: skip
         raise TypeCheckError(
             f"{call}: {head}, so nothing was placed:\n"
             + "\n".join(f"- {w}: {r}" for w, r in failures)
@@ -204,6 +200,14 @@ def checked_plan(
         target = find_mesh(mesh, [f.value for f in placed], what)
     _check_placeable(placed, target, rules, call)
     return found, treedef, target
+
+
+def _head(failures: list, one: str, several: str) -> str:
+    """`w is ...` for one failure at `w`, `N arrays are ..., the first w` for more."""
+    first = failures[0][0]
+    if len(failures) == 1:
+        return f"{first} {one}"
+    return f"{len(failures)} {several}, the first {first}"
 
 
 def _check_placeable(placed: list[Planned], target: Any, rules: Any, call: str):
@@ -227,12 +231,8 @@ def _check_placeable(placed: list[Planned], target: Any, rules: Any, call: str):
             if (reason := block_mismatch(f.value, f.spec, f.annotation))
         ]
     if blocks:
-        head = (
-            f"{blocks[0][0]} is not a block of its annotated layout"
-            if len(blocks) == 1
-            else f"{len(blocks)} arrays are not blocks of their annotated layouts, "
-            f"the first {blocks[0][0]}"
-        )
+        head = _head(blocks, "is not a block of its annotated layout",
+                     "arrays are not blocks of their annotated layouts")  # fmt: skip
         raise ShardingError(
             f"{call}: {head}:\n"
             + "\n".join(f"- {w}: {r}" for w, r in blocks)

@@ -4,14 +4,13 @@ the written contracts hold when the model runs and under `verify`, catch a
 misplaced weight and a wrong activation layout, and on the transformer of
 examples/transformer.py equal the ones written by hand."""
 
-import importlib.util
 import os
-import sys
 
 import jax
 import libcst as cst
 import numpy as np
 import pytest
+from helpers import imported
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxshard
@@ -47,14 +46,6 @@ def stripped_copy(source: str, folder, name: str):
         text = cst.parse_module(f.read()).visit(_Stripped()).code
     path.write_text(text, encoding="utf-8")
     return path
-
-
-def imported(path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
