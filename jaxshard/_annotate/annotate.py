@@ -22,7 +22,7 @@ from .._verify.report import Report
 from .._verify.verify import verify
 from .contracts import Contract, imports_for
 from .infer import Finding, Function, functions
-from .observe import Observer
+from .observe import Held, Observer
 from .write import Patch, patch
 
 
@@ -57,6 +57,7 @@ class Annotations:
                 params={k: v for k, v in f.annotations.items() if k != "return"},
                 returns=f.annotations.get("return"),
                 imports=imports_for(f.names),
+                kind=f.kind,
             )
             for f in self.functions
         ]
@@ -74,9 +75,13 @@ class Annotations:
 
     def __str__(self) -> str:
         count = sum(len(f.annotations) for f in self.functions)
+        classes = sum(f.kind == "class" for f in self.functions)
+        of = f"{len(self.functions) - classes} functions"
+        if classes:
+            of += f" and {classes} classes"
         lines = [
-            f"jaxshard.annotate: {count} annotations in {len(self.functions)} "
-            f"functions of {len({f.filename for f in self.functions})} files."
+            f"jaxshard.annotate: {count} annotations in {of} of "
+            f"{len({f.filename for f in self.functions})} files."
         ]
         if self.findings:
             lines.append("Laid out differently in different calls (no layout written):")
@@ -144,8 +149,8 @@ def annotate(
                 dtypes=dtypes,
                 raise_on_error=False,
             )
-    found, findings = functions(observer.seen, _sizes(dims), table)
-    notes = _notes(observer.trees, observer.blocks)
+    found, findings = functions(observer.seen, _sizes(dims), table, observer.held)
+    notes = _notes(observer.trees, observer.blocks, observer.held)
     annotations = Annotations(tuple(found), tuple(findings), notes, report)
     if findings:
         warnings.warn(
@@ -215,9 +220,18 @@ def _unwrapped(fn: Callable) -> Any:
     return inspect.unwrap(fn) if callable(fn) else fn
 
 
-def _notes(trees: dict, blocks: dict) -> tuple[str, ...]:
+def _notes(trees: dict, blocks: dict, held: list[Held]) -> tuple[str, ...]:
     """What the report says of the parameters left unannotated."""
     notes = ()
+    unnamed = {(h.qualname, h.name): None for h in held if h.type is None}
+    if unnamed:
+        listed = ", ".join(f"{function}: {name!r}" for function, name in unnamed)
+        notes += (
+            f"{len(unnamed)} parameters hold instances of the model's classes whose "
+            f"fields were annotated, but were given no type ({listed}): their "
+            "modules do not name the class. Annotate each with its class for "
+            "jaxtyped to check its fields.",
+        )
     if blocks:
         notes += (
             f"{len(blocks)} functions took blocks inside a shard_map body "
@@ -231,7 +245,8 @@ def _notes(trees: dict, blocks: dict) -> tuple[str, ...]:
     more = f" and {len(skipped) - 6} more" if len(skipped) > 6 else ""
     listed = ", ".join(skipped[:6]) + more
     return notes + (
-        f"{len(skipped)} parameters hold pytrees of arrays and got no annotation "
-        f"({listed}): annotate the fields of their types (a registered dataclass's "
-        "fields, as jaxtyping reads them), or check them with jaxshard.check_tree.",
+        f"{len(skipped)} parameters or fields hold pytrees of arrays, not annotated "
+        f"({listed}): only the fields of the model's own dataclasses and "
+        "NamedTuples are annotated. Hold the arrays in one, or check them with "
+        "jaxshard.check_tree.",
     )

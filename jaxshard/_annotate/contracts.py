@@ -49,7 +49,8 @@ def imports_for(names: Iterable[str]) -> tuple[Import, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Contract:
-    """The annotations to write on one function, as source text.
+    """The annotations to write on one function (or on the fields of one class), as
+    source text.
 
     **Attributes:**
 
@@ -59,10 +60,12 @@ class Contract:
     - `lineno`: the line of its `def`, or of its first decorator (a code object's
         `co_firstlineno`): it tells apart definitions of the same name.
     - `params`: parameter name -> its annotation (`'Float[Array, "b d", P("dp",
-        None)]'`).
+        None)]'`); for a class, field name -> its annotation.
     - `returns`: the return annotation, or `None` to write none.
     - `imports`: where the names the annotations use come from (`imports_for`).
         Only those the written annotations use are imported.
+    - `kind`: `"function"`, or `"class"` for the fields of a dataclass or
+        NamedTuple (`qualname` and `lineno` are then the class's).
     """
 
     filename: str
@@ -71,6 +74,13 @@ class Contract:
     params: Mapping[str, str]
     returns: str | None = None
     imports: tuple[Import, ...] = ()
+    kind: str = "function"
+
+    def what(self, name: str) -> str:
+        """How messages name the parameter, field or return value `name`."""
+        if self.kind == "class":
+            return f"field {name!r}"
+        return "the return value" if name == "return" else f"parameter {name!r}"
 
     @property
     def where(self) -> str:
@@ -84,14 +94,12 @@ class Kept:
     contract: it is kept as it is, and said (the contract may no longer hold)."""
 
     contract: Contract
-    name: str  # the parameter, or "return"
+    name: str  # the parameter or field, or "return"
     existing: str
     proposed: str
 
     def __str__(self) -> str:
-        what = (
-            "the return value" if self.name == "return" else f"parameter {self.name!r}"
-        )
+        what = self.contract.what(self.name)
         return (
             f"{self.contract.where}: {self.contract.qualname}: {what} keeps its "
             f"annotation {self.existing}; annotate saw {self.proposed}"

@@ -1,7 +1,9 @@
 """One file's source with its contracts written in: each function found by its
 qualified name (and line, where names repeat), its unannotated parameters and return
-value annotated, `@jaxshard.jaxtyped(typechecker=beartype)` directly above its `def`,
-and the imports the written annotations need.
+value annotated, `@jaxshard.jaxtyped(typechecker=beartype)` directly above its `def`;
+each class's fields annotated; and the imports the written annotations need. An
+annotation that says only "an array" (`jax.Array`, `jnp.ndarray`) is made precise;
+any other is kept.
 
 libcst gives back the code it did not change byte for byte; a signature made longer
 than a line is laid out as ruff lays it out, one parameter a line.
@@ -16,6 +18,7 @@ from libcst.metadata import ClassScope, MetadataWrapper, PositionProvider, Scope
 
 from .contracts import Contract, Import, Kept, Missing, relative
 from .imports import add_imports, LINE_LENGTH, Naming, Unnameable
+from .layout import code, has_comment, one_per_line, width
 
 
 # The decorator that checks a function's annotations, and what it needs imported.
@@ -23,6 +26,9 @@ JAXTYPED = "jaxshard.jaxtyped(typechecker=beartype)"
 JAXTYPED_IMPORTS = (Import("jaxshard"), Import("beartype", "beartype"))
 # Decorators that already check the annotations of the function they decorate.
 _CHECKERS = frozenset({"jaxtyped", "beartype"})
+# Annotations that say no more than "a JAX array": a contract takes their place.
+_VAGUE = frozenset({"Array", "jax.Array", "jnp.ndarray", "jax.numpy.ndarray"})
+_OPTIONAL = frozenset({"Optional", "typing.Optional"})
 
 
 @dataclasses.dataclass
@@ -52,18 +58,24 @@ def edit(source: bytes, contracts: Sequence[Contract]) -> Edited:
     return Edited(written.bytes, writer.kept, missing + writer.missing)
 
 
+Definition = cst.FunctionDef | cst.ClassDef
+
+
 def _locate(
     wrapper: MetadataWrapper, contracts: Sequence[Contract]
-) -> tuple[dict[cst.FunctionDef, list[Contract]], list[Missing]]:
-    """The `def` of each contract, and the contracts whose `def` is not there."""
+) -> tuple[dict[Definition, list[Contract]], list[Missing]]:
+    """The `def` (or `class`) of each contract, and the contracts whose `def` is
+    not there."""
     positions = wrapper.resolve(PositionProvider)
-    defs: dict[str, list[cst.FunctionDef]] = {}
+    defs: dict[tuple[str, type], list[Definition]] = {}
     for qualname, node in _definitions(wrapper.module, ""):
-        defs.setdefault(qualname, []).append(node)
-    found: dict[cst.FunctionDef, list[Contract]] = {}
+        defs.setdefault((qualname, type(node)), []).append(node)
+    found: dict[Definition, list[Contract]] = {}
     missing = []
     for contract in contracts:
-        node, reason = _pick(defs.get(contract.qualname, []), contract, positions)
+        kind = cst.ClassDef if contract.kind == "class" else cst.FunctionDef
+        nodes = defs.get((contract.qualname, kind), [])
+        node, reason = _pick(nodes, contract, positions)
         if node is None:
             missing.append(Missing(contract, None, reason))
         else:
@@ -71,34 +83,35 @@ def _locate(
     return found, missing
 
 
-def _definitions(
-    node: cst.CSTNode, prefix: str
-) -> Iterator[tuple[str, cst.FunctionDef]]:
-    """Each function defined at module level or in a class (at any depth, and in
-    `if`, `try`, ... blocks), with its qualified name; not those in functions."""
+def _definitions(node: cst.CSTNode, prefix: str) -> Iterator[tuple[str, Definition]]:
+    """Each function and class defined at module level or in a class (at any depth,
+    and in `if`, `try`, ... blocks), with its qualified name; not those in
+    functions."""
     for child in node.children:
         if isinstance(child, cst.FunctionDef):
             yield prefix + child.name.value, child
         elif isinstance(child, cst.ClassDef):
+            yield prefix + child.name.value, child
             yield from _definitions(child.body, f"{prefix}{child.name.value}.")
         elif not isinstance(child, cst.BaseExpression):  # no def is in one
             yield from _definitions(child, prefix)
 
 
 def _pick(
-    nodes: list[cst.FunctionDef], contract: Contract, positions
-) -> tuple[cst.FunctionDef | None, str]:
-    """The `def` that `contract` is about, or `None` and why none is."""
+    nodes: list[Definition], contract: Contract, positions
+) -> tuple[Definition | None, str]:
+    """The `def` (or `class`) that `contract` is about, or `None` and why none is."""
     if "<locals>" in contract.qualname.split("."):
         return None, (
             "it is defined inside another function, whose annotations are not "
             "written (only functions of modules and methods of classes are)"
         )
     if not nodes:
-        return None, f"{relative(contract.filename)} has no def of that name"
+        what = "class" if contract.kind == "class" else "def"
+        return None, f"{relative(contract.filename)} has no {what} of that name"
     if len(nodes) > 1:
 
-        def spans(node: cst.FunctionDef) -> bool:
+        def spans(node: Definition) -> bool:
             first = node.decorators[0] if node.decorators else node
             start = positions[first].start.line
             return start <= contract.lineno <= positions[node.name].start.line
@@ -112,7 +125,7 @@ def _pick(
                 f"{contract.lineno}"
             )
         nodes = at
-    if nodes[0].asynchronous is not None:
+    if isinstance(nodes[0], cst.FunctionDef) and nodes[0].asynchronous is not None:
         return None, "it is an async def, left as it is"
     return nodes[0], ""
 
@@ -154,9 +167,9 @@ class _Writer(cst.CSTTransformer):
             updated, added = self._annotated(updated, contract, naming, method)
             changed |= added
             updated = self._decorated(updated, contract, naming)
-        if changed and _width(updated, "".join(self.blocks)) > LINE_LENGTH:
-            if not _has_comment(updated.whitespace_before_params, updated.params):
-                updated = _one_per_line(updated, self.indent)
+        if changed and width(updated, "".join(self.blocks)) > LINE_LENGTH:
+            if not has_comment(updated.whitespace_before_params, updated.params):
+                updated = one_per_line(updated, self.indent)
         return updated
 
     def _annotated(
@@ -172,8 +185,7 @@ class _Writer(cst.CSTTransformer):
             if param is None:
                 self.missing.append(Missing(contract, name, reason))
                 continue
-            if _defaults_to_none(param) and not text.replace(" ", "").endswith("|None"):
-                text = f"{text} | None"  # `mask=None`: the default is allowed too
+            text = _or_none(text, param.default, param.annotation)
             annotation = self._annotation(
                 contract, name, text, param.annotation, naming
             )
@@ -202,17 +214,49 @@ class _Writer(cst.CSTTransformer):
         try:
             expression, needed = naming.expression(text)
         except Unnameable as e:
-            self.missing.append(Missing(contract, name, f"{_what(name)}: {e}"))
+            self.missing.append(Missing(contract, name, f"{contract.what(name)}: {e}"))
             return None
-        if existing is not None:
-            proposed = _code(expression)
-            if not _same(_code(existing.annotation), proposed):
+        if existing is not None and not _vague(code(existing.annotation)):
+            proposed = code(expression)
+            if not _same(code(existing.annotation), proposed):
                 self.kept.append(
-                    Kept(contract, name, _code(existing.annotation), proposed)
+                    Kept(contract, name, code(existing.annotation), proposed)
                 )
             return None
         self.imports |= needed
+        if existing is not None:  # "an array", made precise where it stands
+            return existing.with_changes(annotation=expression)
         return cst.Annotation(annotation=expression)
+
+    def leave_ClassDef(
+        self, original: cst.ClassDef, updated: cst.ClassDef
+    ) -> cst.ClassDef:
+        """A dataclass's or NamedTuple's field annotations written (`name: T` in
+        its body), where they say no more than "an array"."""
+        contracts = [c for c in self.found.get(original, ()) if c.kind == "class"]
+        if not contracts or not isinstance(updated.body, cst.IndentedBlock):
+            return updated
+        body = list(updated.body.body)
+        for contract in contracts:
+            left = dict(contract.params)
+            for i, line in enumerate(original.body.body):
+                name, field = _field(line)
+                if field is None or name not in left:
+                    continue
+                naming = Naming(self.scopes[field], contract.imports)
+                text = _or_none(left.pop(name), field.value, field.annotation)
+                annotation = self._annotation(
+                    contract, name, text, field.annotation, naming
+                )
+                if annotation is not None:
+                    new = cst.ensure_type(body[i], cst.SimpleStatementLine)
+                    assign = cst.ensure_type(new.body[0], cst.AnnAssign)
+                    assign = assign.with_changes(annotation=annotation)
+                    body[i] = new.with_changes(body=[assign])
+            for name in left:
+                reason = f"field {name!r} is not declared in its class's body"
+                self.missing.append(Missing(contract, name, reason))
+        return updated.with_changes(body=updated.body.with_changes(body=body))
 
     def _decorated(
         self, node: cst.FunctionDef, contract: Contract, naming: Naming
@@ -250,8 +294,17 @@ def _param(
     return None, f"it has no parameter {name!r}"
 
 
-def _defaults_to_none(param: cst.Param) -> bool:
-    return isinstance(param.default, cst.Name) and param.default.value == "None"
+def _or_none(
+    text: str, default: cst.BaseExpression | None, existing: cst.Annotation | None
+) -> str:
+    """The annotation `text`, or `text | None` where `None` is allowed too: the
+    default is `None` (`mask=None`), or the annotation there says "or None"."""
+    if text.replace(" ", "").endswith("|None"):
+        return text
+    none = isinstance(default, cst.Name) and default.value == "None"
+    if none or (existing is not None and _vague(code(existing.annotation), True)):
+        return f"{text} | None"
+    return text
 
 
 def _annotate(param: cst.Param, annotation: cst.Annotation) -> cst.Param:
@@ -276,8 +329,32 @@ def _with_param(params: cst.Parameters, new: cst.Param) -> cst.Parameters:
     )
 
 
-def _what(name: str) -> str:
-    return "the return value" if name == "return" else f"parameter {name!r}"
+def _field(line: cst.CSTNode) -> tuple[str, cst.AnnAssign | None]:
+    """The name and statement of the field a line of a class's body declares
+    (`name: T` or `name: T = v`), or `("", None)`."""
+    if isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1:
+        statement = line.body[0]
+        if isinstance(statement, cst.AnnAssign):
+            if isinstance(statement.target, cst.Name):
+                return statement.target.value, statement
+    return "", None
+
+
+def _vague(annotation: str, optional: bool = False) -> bool:
+    """Whether an annotation says only "a JAX array" (or that, or `None`); with
+    `optional`, only "a JAX array, or `None`"."""
+    try:
+        node = ast.parse(annotation.strip(), mode="eval").body
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            node = ast.parse(node.value.strip(), mode="eval").body
+    except SyntaxError:
+        return False
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        arms = [ast.unparse(node.left), ast.unparse(node.right)]
+        return "None" in arms and any(a in _VAGUE for a in arms)
+    if isinstance(node, ast.Subscript) and ast.unparse(node.value) in _OPTIONAL:
+        return ast.unparse(node.slice) in _VAGUE
+    return not optional and ast.unparse(node) in _VAGUE
 
 
 def _decorated(node: cst.FunctionDef, name: str) -> bool:
@@ -301,10 +378,6 @@ def _decorator_name(decorator: cst.Decorator) -> str | None:
     return expression.value if isinstance(expression, cst.Name) else None
 
 
-def _code(node: cst.CSTNode) -> str:
-    return cst.Module(body=[]).code_for_node(node)
-
-
 def _same(existing: str, proposed: str) -> bool:
     """Whether two annotations are the same expression, however spaced or quoted
     (a string annotation is the expression it holds)."""
@@ -319,76 +392,3 @@ def _same(existing: str, proposed: str) -> bool:
         return ast.dump(node)
 
     return tree(existing) == tree(proposed)
-
-
-def _has_comment(*nodes: cst.CSTNode) -> bool:
-    return any(
-        isinstance(node, cst.Comment) or _has_comment(*node.children) for node in nodes
-    )
-
-
-def _width(node: cst.FunctionDef, prefix: str) -> int:
-    """The widest line of `node`'s signature, from `def` to its colon, indented by
-    `prefix` (tabs count 4)."""
-    body = cst.SimpleStatementSuite(body=[cst.Expr(cst.Ellipsis())])
-    header = node.with_changes(
-        decorators=[], leading_lines=[], lines_after_decorators=[], body=body
-    )
-    code = _code(header).rstrip("\n").removesuffix(" ...")
-    return max(len((prefix + line).expandtabs(4)) for line in code.split("\n"))
-
-
-def _one_per_line(node: cst.FunctionDef, indent: str) -> cst.FunctionDef:
-    """`node`'s signature as ruff lays out one too long for a line: each parameter
-    on its own line (indented by `indent` more than the `def`), with a comma."""
-    params = node.params
-    if not _elements(params):
-        return node
-
-    def newline(last: str) -> cst.ParenthesizedWhitespace:
-        return cst.ParenthesizedWhitespace(
-            first_line=cst.TrailingWhitespace(),
-            empty_lines=[],
-            indent=True,
-            last_line=cst.SimpleWhitespace(last),
-        )
-
-    count = len(_elements(params))
-    commas = iter(
-        cst.Comma(whitespace_after=newline(indent if i < count - 1 else ""))
-        for i in range(count)
-    )
-
-    def laid(element):
-        if element is None or isinstance(element, cst.MaybeSentinel):
-            return element
-        if isinstance(element, cst.Param):
-            none = cst.SimpleWhitespace("")
-            return element.with_changes(comma=next(commas), whitespace_after_param=none)
-        if isinstance(element, cst.ParamSlash):
-            none = cst.SimpleWhitespace("")
-            return element.with_changes(comma=next(commas), whitespace_after=none)
-        return element.with_changes(comma=next(commas))  # a bare `*`
-
-    laid_out = params.with_changes(
-        posonly_params=[laid(p) for p in params.posonly_params],
-        posonly_ind=laid(params.posonly_ind),
-        params=[laid(p) for p in params.params],
-        star_arg=laid(params.star_arg),
-        kwonly_params=[laid(p) for p in params.kwonly_params],
-        star_kwarg=laid(params.star_kwarg),
-    )
-    return node.with_changes(params=laid_out, whitespace_before_params=newline(indent))
-
-
-def _elements(params: cst.Parameters) -> list[cst.CSTNode]:
-    """The parameters, `/` and bare `*` of a signature, in order."""
-    every = [
-        *params.posonly_params,
-        params.posonly_ind,
-        *params.params,
-        params.star_arg,
-        *params.kwonly_params,
-        params.star_kwarg,
-    ]
-    return [e for e in every if isinstance(e, cst.CSTNode)]

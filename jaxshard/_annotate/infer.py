@@ -1,19 +1,22 @@
 """From what `annotate` saw to contracts: for each function, the annotation of each
-array parameter and of the return value, as source text, and the findings, the
-parameters laid out differently in different calls.
+array parameter and of the return value, as source text (and for each class, of each
+array field), and the findings, the parameters laid out differently in different
+calls.
 
 A dimension takes the name `dims` gives its size (when one name has that size), else
 its number; one whose size differs between calls is `_`, and a parameter whose rank
 differs is `"..."`. A layout is written when every call had the same one (`P(...)`,
 or `L(...)` where the rule table maps each dimension's axes back to one logical
 name); a parameter laid out differently in different calls gets none, and a finding.
+A parameter that held an instance of one of the user's classes is annotated with the
+class, whose fields carry the contracts.
 """
 
 import collections
 import dataclasses
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -24,7 +27,7 @@ from .._annotations.logical import resolve
 from .._annotations.spec import format_spec, padded
 from .._config import AxisRules
 from .._verify.frames import _relative
-from .observe import Seen
+from .observe import Held, Seen
 
 
 # jaxtyping's dtype classes, by the kind of dtype each takes (bfloat16 and the
@@ -45,13 +48,15 @@ def _kind(dtype: Any) -> str:
 @dataclasses.dataclass(frozen=True)
 class Function:
     """A function seen while tracing: where it is, and its contracts as source
-    text, by parameter (`"return"` for the return value), in signature order."""
+    text, by parameter (`"return"` for the return value), in signature order; or
+    (`kind` "class") a dataclass or NamedTuple, by field."""
 
     filename: str
     qualname: str
     lineno: int
     annotations: dict[str, str]
     names: frozenset[str]  # what the annotations need: "Float", "P", "L", ...
+    kind: str = "function"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +68,13 @@ class Finding:
     layouts: tuple[tuple[PartitionSpec, int], ...]  # each layout, in how many calls
 
     def __str__(self) -> str:
-        what = f"parameter {self.name!r}"
+        what, calls = f"parameter {self.name!r}", "call"
         if self.name == "return":
             what = "the return value"
+        if self.function.kind == "class":
+            what, calls = f"field {self.name!r}", "instance"
         counts = ", ".join(
-            f"{format_spec(spec)} in {n} call{'s' if n > 1 else ''}"
+            f"{format_spec(spec)} in {n} {calls}{'s' if n > 1 else ''}"
             for spec, n in self.layouts
         )
         where = f"{_relative(self.function.filename)}:{self.function.lineno}"
@@ -75,31 +82,79 @@ class Finding:
 
 
 def functions(
-    seen: list[Seen], dims: Mapping[str, int] | None, rules: Any = None
+    seen: list[Seen],
+    dims: Mapping[str, int] | None,
+    rules: Any = None,
+    held: Sequence[Held] = (),
 ) -> tuple[list[Function], list[Finding]]:
-    """The contracts of each function in `seen`, and the findings."""
+    """The contracts of each function (and class) in `seen` and `held`, and the
+    findings."""
     names = _names(dims or {}, seen)
-    by_function: dict[tuple, dict[str, list[Seen]]] = {}
-    for s in seen:
-        key = (s.filename, s.qualname, s.lineno)
+    slices = _slices(seen)
+    seen = [s for s in seen if s.kind != "field" or s.call not in slices]
+    held = [h for h in held if h.instance not in slices]
+    by_function: dict[tuple, dict[str, list]] = {}
+    for s in [*seen, *held]:
+        key = (s.filename, s.qualname, s.lineno, getattr(s, "kind", "parameter"))
         by_function.setdefault(key, {}).setdefault(s.name, []).append(s)
     found, findings = [], []
-    for (filename, qualname, lineno), params in by_function.items():
+    for (filename, qualname, lineno, kind), params in by_function.items():
         ordered = sorted(params.items(), key=lambda item: _place(item[1][0]))
         annotations, needs, unlike = {}, set(), []
         for name, calls in ordered:
+            held_by = {c.type for c in calls if isinstance(c, Held)}
+            if held_by:  # an instance of a class: its name, if it is the same
+                one = len(held_by) == 1 and all(isinstance(c, Held) for c in calls)
+                if one and None not in held_by:
+                    annotations[name] = held_by.pop()
+                continue
             text, spec_names, layouts = _annotation(calls, names, rules)
             annotations[name] = text
             needs |= spec_names
             if layouts is not None:
                 unlike.append((name, layouts))
-        function = Function(filename, qualname, lineno, annotations, frozenset(needs))
+        if not annotations:
+            continue
+        function = Function(
+            filename,
+            qualname,
+            lineno,
+            annotations,
+            frozenset(needs),
+            "class" if kind == "field" else "function",
+        )
         found.append(function)
         findings += [Finding(function, name, layouts) for name, layouts in unlike]
     return found, findings
 
 
-def _place(s: Seen) -> int:
+def _slices(seen: list[Seen]) -> set[int]:
+    """The instances that are a slice of another along leading dimensions (`scan`
+    over a NamedTuple of stacked weights gives its body one layer's, of the same
+    class): every array field the other's with the same leading ones dropped. The
+    class's fields are annotated as the whole instances' are."""
+    shapes: dict[int, dict[tuple, tuple[int, ...]]] = collections.defaultdict(dict)
+    for s in seen:
+        if s.kind == "field":
+            shapes[s.call][(s.qualname, s.filename, s.name)] = s.shape
+    kinds: dict[tuple, set[tuple]] = collections.defaultdict(set)  # fields -> shapes
+    for fields in shapes.values():
+        kinds[tuple(sorted(fields))].add(tuple(fields[k] for k in sorted(fields)))
+    sliced = set()
+    for key, signatures in kinds.items():
+        for small, large in itertools.permutations(signatures, 2):
+            drop = {len(b) - len(a) for a, b in zip(small, large)}
+            if len(drop) == 1 and (k := drop.pop()) > 0:
+                if all(b[k:] == a for a, b in zip(small, large)):
+                    sliced.add((key, small))
+    return {
+        number
+        for number, fields in shapes.items()
+        if (tuple(sorted(fields)), tuple(fields[k] for k in sorted(fields))) in sliced
+    }
+
+
+def _place(s: Seen | Held) -> int:
     return s.position if s.position >= 0 else 1 << 30  # the return value last
 
 

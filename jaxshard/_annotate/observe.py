@@ -1,5 +1,6 @@
 """What `annotate` sees: each call of the user's functions made while a program is
-traced, with the shape, dtype and layout of each array it takes and returns.
+traced, with the shape, dtype and layout of each array it takes and returns, and the
+array fields of the user's dataclasses and NamedTuples it takes and returns.
 
 The calls are seen through a profile function (`sys.setprofile`), in the thread that
 traces, for the functions of the files asked about only. A layout on Explicit axes is
@@ -10,6 +11,7 @@ one jaxshard's contracts use) reports it then.
 import collections
 import dataclasses
 import inspect
+import os
 import sys
 import threading
 from collections.abc import Iterable
@@ -41,6 +43,25 @@ class Seen:
     # The names its existing annotation gives its dimensions (`None` for one it
     # gives no name), if it has one.
     named: tuple[str | None, ...] | None = None
+    # "parameter" (or the return value) of a function; or "field" of a class, whose
+    # `filename`, `qualname` and `lineno` are the class's (the one declaring the
+    # field), and `call` the instance's number (unique among all instances seen).
+    kind: str = "parameter"
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A parameter (or return value) that held an instance of one of the user's
+    dataclasses or NamedTuples with arrays in it: `type` is the class's name where
+    the function's module binds that name to it (so it can be written there)."""
+
+    filename: str
+    qualname: str
+    lineno: int
+    name: str
+    position: int
+    type: str | None
+    instance: int  # the instance's number, as its fields' `Seen.call`
 
 
 class Observer:
@@ -50,13 +71,19 @@ class Observer:
     def __init__(self, files: Iterable[str]):
         self.files = frozenset(files)
         self.seen: list[Seen] = []
-        # Parameters that held a pytree of arrays: `(qualname, name)`.
+        self.held: list[Held] = []
+        # Parameters (and fields) that held a pytree of arrays that no class of
+        # `files` describes: `(qualname, name)`.
         self.trees: dict[tuple[str, str], None] = {}
         self.blocks: dict[str, None] = {}  # functions called in shard_map bodies
         self._lock = threading.Lock()  # probes report from XLA's threads
         self._calls: collections.Counter = collections.Counter()
         self._open: dict[int, tuple[Any, int]] = {}  # frame id -> (code, call)
-        self._hints: dict[Any, dict[str, Any]] = {}  # code -> its type hints
+        self._hints: dict[Any, dict[str, Any]] = {}  # code or class -> type hints
+        self._classes: dict[type, tuple | None] = {}  # class -> where it is defined
+        # id -> each instance whose fields are seen (kept alive while observed, so
+        # that its id stays its), and its number.
+        self._instances: dict[int, tuple[Any, int]] = {}
         self._previous: Any = None
 
     def __enter__(self) -> "Observer":
@@ -81,33 +108,99 @@ class Observer:
                 self._hints[code] = _hints(code, frame.f_globals)
             for position, name in enumerate(_parameters(code)):
                 if name in frame.f_locals:
-                    self._array(code, call, name, position, frame.f_locals[name])
+                    value = frame.f_locals[name]
+                    self._value(code, call, name, position, value, frame.f_globals)
         elif event == "return" and id(frame) in self._open:
             code, call = self._open.pop(id(frame))
-            self._array(code, call, "return", -1, arg)
+            self._value(code, call, "return", -1, arg, frame.f_globals)
 
-    def _array(self, code: Any, call: int, name: str, position: int, x: Any) -> None:
-        """Records `x` if it is an array being traced (or a concrete one)."""
-        if not isinstance(x, jax.Array):
-            if any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(x)):
-                self.trees[(code.co_qualname, name)] = None
+    def _value(
+        self, code: Any, call: int, name: str, position: int, x: Any, scope: dict
+    ) -> None:
+        """Records `x`, a parameter or return value of a call of `code`, if it is an
+        array, or holds some as an instance of a class of `files`."""
+        where = (code.co_filename, code.co_qualname, code.co_firstlineno)
+        if isinstance(x, jax.Array):
+            hint = self._hints.get(code, {}).get(name)
+            self._array(where, call, name, position, x, hint)
             return
+        if not any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(x)):
+            return
+        instance = self._instance(x)
+        if instance is not None:
+            cls = type(x)
+            named = cls.__name__ if scope.get(cls.__name__) is cls else None
+            self.held.append(Held(*where, name, position, named, instance))
+        else:  # not annotated, though instances in it (a list of them) are
+            self._described(x)
+            self.trees[(code.co_qualname, name)] = None
+
+    def _instance(self, x: Any) -> int | None:
+        """Records the array fields of `x` (and of the instances in its fields) if
+        `x` is an instance of a dataclass or NamedTuple of `files`, and returns its
+        number; `None` for anything else."""
+        if id(x) in self._instances:  # the same instance, passed on: seen already
+            return self._instances[id(x)][1]
+        fields = _fields(x)
+        if fields is None or self._class(type(x)) is None:
+            return None
+        number = len(self._instances)
+        self._instances[id(x)] = (x, number)
+        for owner, position, name, value in fields:
+            where = self._class(owner)
+            if where is None:
+                continue
+            if isinstance(value, jax.Array):
+                if owner not in self._hints:
+                    self._hints[owner] = type_hints(owner)
+                hint = self._hints[owner].get(name)
+                self._array(where, number, name, position, value, hint, "field")
+            elif not self._described(value):
+                self.trees[(owner.__qualname__, name)] = None
+        return number
+
+    def _described(self, value: Any) -> bool:
+        """Whether each array in `value`, a field's value, is in an instance of a
+        class of `files` (recorded): `value` is one, or a list or tuple of them
+        (`blocks: list[Block]`), or holds no array."""
+        if not any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(value)):
+            return True
+        if isinstance(value, (list, tuple)) and _fields(value) is None:
+            return all([self._described(item) for item in value])
+        return self._instance(value) is not None
+
+    def _class(self, cls: type) -> tuple[str, str, int] | None:
+        """Where `cls` is defined, `(filename, qualname, lineno)`, if in `files`."""
+        if cls not in self._classes:
+            self._classes[cls] = _defined(cls, self.files)
+        return self._classes[cls]
+
+    def _array(
+        self,
+        where: tuple[str, str, int],
+        call: int,
+        name: str,
+        position: int,
+        x: Any,
+        hint: Any,
+        kind: str = "parameter",
+    ) -> None:
+        """Records the array `x`, being traced (or a concrete one)."""
         aval = jax.typeof(x)
         if AxisType.Manual in aval.sharding.mesh.axis_types:
             # A shard_map body's block, which an annotation describes as the whole
             # array it is a block of: not told here.
-            self.blocks[code.co_qualname] = None
+            self.blocks[where[1]] = None
             return
         seen = Seen(
-            filename=code.co_filename,
-            qualname=code.co_qualname,
-            lineno=code.co_firstlineno,
+            *where,
             call=call,
             name=name,
             position=position,
             shape=tuple(aval.shape),
             dtype=aval.dtype,
-            named=_named(self._hints.get(code, {}).get(name), len(aval.shape)),
+            named=_named(hint, len(aval.shape)),
+            kind=kind,
         )
         with self._lock:
             self.seen.append(seen)
@@ -159,6 +252,41 @@ def _named(hint: Any, ndim: int) -> tuple[str | None, ...] | None:
     if len(found) != ndim or any(d.kind == "variadic" for d in found):
         return None
     return tuple(d.name if d.kind == "named" and d.checked else None for d in found)
+
+
+def _fields(x: Any) -> list[tuple[type, int, str, Any]] | None:
+    """The fields of a dataclass or NamedTuple instance, each with the class that
+    declares it (a base class, for an inherited field) and its place; `None` for
+    anything else."""
+    cls = type(x)
+    if isinstance(x, tuple) and hasattr(cls, "_fields"):
+        names = list(cls._fields)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        names = [f.name for f in dataclasses.fields(x)]
+    else:
+        return None
+    declared = [inspect.get_annotations(k) for k in cls.__mro__]
+    return [
+        (next((k for k, a in zip(cls.__mro__, declared) if n in a), cls), i, n,
+         getattr(x, n, None))
+        for i, n in enumerate(names)
+    ]  # fmt: skip
+
+
+def _defined(cls: type, files: frozenset[str]) -> tuple[str, str, int] | None:
+    """Where `cls` is defined, `(filename, qualname, lineno)` (its first line,
+    decorators included), if in one of `files`."""
+    module = sys.modules.get(cls.__module__)
+    filename = getattr(module, "__file__", None)
+    if filename is None or os.path.abspath(filename) not in files:
+        return None
+    lineno = getattr(cls, "__firstlineno__", None)  # Python 3.13
+    if lineno is None:
+        try:
+            lineno = inspect.getsourcelines(cls)[1]
+        except (OSError, TypeError):
+            return None
+    return os.path.abspath(filename), cls.__qualname__, lineno
 
 
 def _parameters(code: Any) -> tuple[str, ...]:

@@ -2,8 +2,10 @@
 takes and returns, seen while the model is traced and compiled on a mesh, as
 contracts."""
 
+import dataclasses
 import os
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +47,8 @@ def test_the_transformers_layouts_are_its_hand_written_ones(kind):
     seen = by_name(found)
     x = 'Float[Array, "batch seqlen d", P(("dp", "fsdp"), None, None)]'
     heads = 'Float[Array, "batch seqlen heads hd", P(("dp", "fsdp"), None, "tp", None)]'
-    assert seen["block"] == {"x": x, "return": x}
+    assert seen["block"] == {"p": "Block", "x": x, "return": x}
+    assert seen["model"]["params"] == "Stack"
     assert seen["project"] == {
         "x": x,
         "w": 'Float[Array, "d heads hd", P("fsdp", "tp", None)]',
@@ -54,9 +57,19 @@ def test_the_transformers_layouts_are_its_hand_written_ones(kind):
     assert seen["attend"] == {"q": heads, "k": heads, "v": heads, "return": heads}
     assert found.findings == ()
     assert found.report.ok
-    # The weights come in as NamedTuples of arrays: a note says so.
+    # The weights come in as NamedTuples of the model's own: their fields are
+    # annotated, the stacked ones and each layer's, as written by hand.
+    classes = {f.qualname: f for f in found.functions if f.kind == "class"}
+    assert set(classes) == {"Block", "Stack"}
+    assert classes["Block"].annotations["wo"] == (
+        'Float[Array, "heads hd d", P("tp", None, "fsdp")]'
+    )
+    assert classes["Stack"].annotations["w1"] == (
+        'Float[Array, "layers d hidden", P(None, "fsdp", "tp")]'
+    )
+    # Only the scan body's `(x, None)` is a pytree no class of the model describes.
     (note,) = found.notes
-    assert "block: 'p'" in note and "pytrees of arrays" in note
+    assert "(model.<locals>.layer: 'return')" in note
 
 
 def mlp(x, w):
@@ -213,3 +226,82 @@ def test_a_shard_map_bodys_blocks_are_left_and_said(auto_mesh):
     )
     assert "body" not in by_name(found)
     assert any("shard_map body (body)" in note for note in found.notes)
+
+
+# --- the fields of the model's own dataclasses and NamedTuples ----------------------
+
+
+class Mlp(NamedTuple):
+    up: jax.Array
+    down: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Layer:
+    scale: jax.Array
+    mlp: Mlp
+    extras: list  # arrays no class of the model describes
+
+
+def _hidden_class():
+    class Hidden(NamedTuple):  # no module binds its name
+        w: jax.Array
+
+    return Hidden
+
+
+HIDDEN = _hidden_class()
+
+
+def layer_body(x, layer):
+    """A module-level scan body: its `layer` is one layer's slice of the stack."""
+    return apply_layer(layer, x), None
+
+
+def apply_layer(layer, x):
+    h = jnp.tanh((x * layer.scale) @ layer.mlp.up) @ layer.mlp.down
+    return h + sum(e.sum() for e in layer.extras)
+
+
+def stacked(layers, hidden, x):
+    return jax.lax.scan(layer_body, x * hidden.w, layers)[0]
+
+
+def test_the_fields_of_the_models_own_classes(auto_mesh):
+    """The fields of a registered dataclass and of the NamedTuple in it are written
+    as the whole stack's (a scan body's one-layer slices of the same classes are
+    not a second layout); the parameter holding the stack is annotated with its
+    class, those holding one layer's slice are not. A class no module names and a
+    list of arrays are said in the notes."""
+
+    def sds(shape, spec):
+        return jax.ShapeDtypeStruct(
+            shape, jnp.float32, sharding=NamedSharding(auto_mesh, spec)
+        )
+
+    layers = Layer(
+        scale=sds((3, 8), P()),
+        mlp=Mlp(sds((3, 8, 16), P(None, None, "tp")), sds((3, 16, 8), P(None, "tp"))),
+        extras=[sds((3, 2), P())],
+    )
+    values = {"layers": layers, "hidden": HIDDEN(sds((8,), P())), "x": sds((4, 8), P())}
+    dims = {"layers": 3, "d": 8, "h": 16, "batch": 4}
+    found = jaxshard.annotate(
+        stacked, mesh=auto_mesh, values=values, dims=dims,
+        modules=[sys.modules[__name__]],
+    )  # fmt: skip
+    classes = {f.qualname: f.annotations for f in found.functions if f.kind == "class"}
+    assert classes["Mlp"] == {
+        "up": 'Float[Array, "layers d h", P(None, None, "tp")]',
+        "down": 'Float[Array, "layers h d", P(None, "tp", None)]',
+    }
+    assert classes["Layer"] == {"scale": 'Float[Array, "layers d", P(None, None)]'}
+    seen = by_name(found)
+    assert seen["stacked"]["layers"] == "Layer"
+    assert "layer" not in seen["apply_layer"] and "layer" not in seen["layer_body"]
+    assert "hidden" not in seen["stacked"]
+    notes = " ".join(found.notes)
+    assert "(stacked: 'hidden')" in notes and "do not name the class" in notes
+    assert "Layer: 'extras'" in notes
+    assert found.findings == ()

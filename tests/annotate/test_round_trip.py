@@ -25,10 +25,20 @@ DIMS = {**SMALL, "batch": 8, "seqlen": 32, "layers": 2}
 
 class _Stripped(cst.CSTTransformer):
     """Every function's parameter and return annotations, and its jaxtyped
-    decorator, removed (the classes' fields keep theirs)."""
+    decorator, removed; each class field's contract (`w: Float[Array, ...]`) made
+    `w: Array`."""
 
     def leave_Param(self, original, updated):
         return updated.with_changes(annotation=None)
+
+    def leave_AnnAssign(self, original, updated):
+        annotation = updated.annotation.annotation
+        if isinstance(annotation, cst.Subscript) and cst.Module([]).code_for_node(
+            annotation.value
+        ) in ("Float", "Int"):
+            array = cst.Annotation(annotation=cst.Name("Array"))
+            return updated.with_changes(annotation=array)
+        return updated
 
     def leave_FunctionDef(self, original, updated):
         kept = [
@@ -62,25 +72,33 @@ def written(request, tmp_path_factory, original):
     folder = tmp_path_factory.mktemp(request.param)
     name = f"transformer_{request.param}"
     bare = imported(stripped_copy(EXAMPLE, folder, name), f"{name}_bare")
-    args = jaxshard.abstract_args(original.model, mesh, DIMS)
-    values = dict(zip(("params", "x"), args))
+    params, x = jaxshard.abstract_args(original.model, mesh, DIMS)
+    values = {"params": bare.Stack(*params), "x": x}  # the copy's own NamedTuple
     found = jaxshard.annotate(bare.model, mesh=mesh, values=values, dims=DIMS)
     assert found.findings == ()
     diff = found.diff()
     assert diff.count("@jaxshard.jaxtyped(typechecker=beartype)") == 9
     assert found.write() == [str(folder / f"{name}.py")]
-    return imported(folder / f"{name}.py", name), mesh, args
+    module = imported(folder / f"{name}.py", name)
+    return module, mesh, (module.Stack(*params), x)
 
 
 def specs(module, function: str) -> dict:
     hints = type_hints(getattr(module, function))
-    return {k: jaxshard.partition_spec(v) for k, v in hints.items()}
+    return {
+        k: jaxshard.partition_spec(v)
+        for k, v in hints.items()
+        if getattr(v, "dim_str", None) is not None
+    }
 
 
 @pytest.mark.parametrize(
-    "function", ["project", "attend", "attention", "mlp", "block", "model"]
+    "function",
+    ["project", "attend", "attention", "mlp", "block", "model", "Block", "Stack"],
 )
 def test_the_written_layouts_are_the_hand_written_ones(written, original, function):
+    """Each function's parameters and return value, and the weights' fields (the
+    stacked ones of `Stack` and each layer's of `Block`)."""
     module, _, _ = written
     by_hand, found = specs(original, function), specs(module, function)
     stated = {n: s for n, s in by_hand.items() if s is not None}
@@ -90,12 +108,15 @@ def test_the_written_layouts_are_the_hand_written_ones(written, original, functi
 
 
 def test_the_written_contracts_hold_under_verify(written):
-    module, mesh, (params, _) = written
-    values = {"params": params}  # a NamedTuple of weights: no annotation written
-    report = jaxshard.verify(module.model, mesh=mesh, dims=DIMS, values=values)
+    """The model's own parameters too: `params` is annotated `Stack`, whose fields
+    are checked one by one."""
+    module, mesh, _ = written
+    assert type_hints(module.model)["params"] is module.Stack
+    report = jaxshard.verify(module.model, mesh=mesh, dims=DIMS)
     assert report.ok and len(report.rows) > 10
     functions = {r.function.rsplit(".", 1)[-1] for r in report.rows}
     assert {"project", "attend", "norm", "block"} <= functions
+    assert any(r.name == "params.wq" for r in report.rows)
 
 
 def test_they_catch_a_misplaced_weight_when_the_model_runs(written):
@@ -174,3 +195,45 @@ def test_the_flax_decoders_round_trip(style, tmp_path):
         tokens = jax.device_put(good.batch, NamedSharding(mesh, P(None, "data")))
         with pytest.raises(jaxshard.ShardingError, match="P\\(None, 'data'\\)"):
             good.loss(good.state, tokens)
+
+
+def test_the_equinox_decoder_round_trips(tmp_path):
+    """An equinox Module's fields (`up: Array` stripped of its contract) are
+    written from the instances seen as `self` and in other fields (a list of
+    blocks, a nested MLP): they are the layouts the hand-written ones resolve to,
+    and the written model trains, and catches a layer whose MLP weight is placed
+    transposed, naming it by its path."""
+    bare = imported(stripped_copy(DECODERS, tmp_path, "eqx_bare"), "eqx_bare")
+    mesh = jax.make_mesh(
+        (2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3
+    )
+    made = bare.make_equinox(mesh)
+    dims = {"batch": bare.BATCH, "length": bare.LENGTH, "embed": bare.EMBED}
+    found = jaxshard.annotate(
+        made.loss,
+        mesh=mesh,
+        values={"state": made.state, "batch": made.batch},
+        dims=dims,
+        rules=bare.RULES,
+        modules=[bare],
+    )
+    fields = {f.qualname: f.annotations for f in found.functions if f.kind == "class"}
+    assert set(fields) == {"EqxMlp", "EqxBlock", "EqxDecoder"}
+    assert fields["EqxMlp"]["up"].startswith('Float[Array, "embed 64", ')
+    # `qkv` is a tuple of arrays, which no class of the model describes.
+    assert "EqxBlock: 'qkv'" in " ".join(found.notes)
+    found.write()
+    written = imported(tmp_path / "eqx_bare.py", "eqx_written")
+    original = imported(DECODERS, "decoders_by_hand")
+    with jaxshard.axis_rules(bare.RULES):  # the specs resolved under the rules
+        for cls, field in [("EqxMlp", "up"), ("EqxMlp", "down"), ("EqxBlock", "out"),
+                           ("EqxDecoder", "embed")]:  # fmt: skip
+            hand = type_hints(getattr(original, cls))[field]
+            mine = type_hints(getattr(written, cls))[field]
+            assert mine.spec == hand.spec, (cls, field)
+    good = written.make_equinox(mesh)
+    with jax.set_mesh(mesh), jaxshard.axis_rules(written.RULES):
+        good.step(good.state, good.batch)
+        bad = written.make_equinox(mesh, wrong_layer=1)
+        with pytest.raises(jaxshard.ShardingError, match=r"blocks\[1\]\.mlp\.up"):
+            bad.step(bad.state, bad.batch)

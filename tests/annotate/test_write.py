@@ -316,6 +316,73 @@ def test_module_level_functions_of_a_dataclass_weights_model(tmp_path):
     assert load(path).dense.__wrapped__.__annotations__["p"] == "Weights"
 
 
+def fields(path, qualname, params, *, imports=NEEDS):
+    """The contract of the fields of the class `qualname` in `path`."""
+    name = qualname.split(".")[-1]
+    lines = pathlib.Path(path).read_text("utf-8").splitlines()
+    lineno = next(i for i, line in enumerate(lines, 1) if f"class {name}" in line)
+    return Contract(path, qualname, lineno, params, None, imports, kind="class")
+
+
+LAYERS = source("""
+    import dataclasses
+    from typing import NamedTuple, Optional
+
+    import jax
+    import jax.numpy as jnp
+
+
+    class Mlp(NamedTuple):
+        up: jax.Array  # hidden units
+        down: "jnp.ndarray"
+        bias: jax.Array | None = None
+        gate: Optional[jax.Array] = None
+
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Layer:
+        scale: jax.Array
+        mlp: Mlp
+        norm: Float[Array, "d"]
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return x * self.scale
+""")
+
+
+def test_fields_are_written_where_they_say_only_an_array(tmp_path):
+    """A NamedTuple's and a registered dataclass's fields, and a method's
+    parameter: `jax.Array`, `"jnp.ndarray"`, `jax.Array | None` and
+    `Optional[jax.Array]` become the contract (or `None`), in place (a comment
+    stays); a field with a jaxtyping annotation is kept and said; a field the class
+    does not declare is said."""
+    path = put_file(tmp_path, "layers.py", LAYERS)
+    up = 'Float[Array, "d h", P(None, "tp")]'
+    down = 'Float[Array, "h d", P("tp", None)]'
+    scale = 'Float[Array, "d", P(None)]'
+    contracts = [
+        fields(path, "Mlp", {"up": up, "down": down, "bias": scale, "gate": scale}),
+        fields(path, "Layer", {"scale": scale, "norm": scale, "gone": scale}),
+        contract(path, "Layer.__call__", {"x": ACT}, ACT),
+    ]
+    found = patch(contracts)
+    [kept] = found.kept
+    assert str(kept).endswith(
+        "Layer: field 'norm' keeps its annotation Float[Array, \"d\"]; annotate saw "
+        + scale
+    )
+    [missing] = found.missing
+    assert "Layer: field 'gone' is not declared in its class's body" in str(missing)
+    [text] = written(tmp_path, contracts).values()
+    assert f"    up: {up}  # hidden units\n    down: {down}\n" in text
+    assert f"    bias: {scale} | None = None\n    gate: {scale} | None = None" in text
+    assert f"    scale: {scale}\n    mlp: Mlp\n" in text
+    assert f"        x: {ACT},\n    ) -> {ACT}:" in text
+    assert text.count(JAXTYPED) == 1  # on the method; classes get no decorator
+    assert "from jax.sharding import PartitionSpec as P" in text
+
+
 def test_an_existing_jaxtyping_import_and_from_imports_are_reused(tmp_path):
     text = source("""
         import jax
