@@ -96,12 +96,14 @@ def demo(session):
 def examples(session):
     """A transformer verified for TPU v5e and v5p pods without a TPU, on Auto and
     on Explicit axes, each against its committed snapshot; a decoder annotated with
-    logical axis names, verified under several rule tables."""
+    logical axis names, verified under several rule tables; a mixture-of-experts
+    train step at its small size (full size in `bench`)."""
     session.install("-e", ".[tpu]", "equinox", "flax")
     env = {"JAX_PLATFORMS": "cpu"}
     session.run("python", "examples/transformer.py", env=env)
     session.run("python", "examples/transformer.py", "--explicit", env=env)
     session.run("python", "examples/logical.py", env=env)
+    session.run("python", "examples/moe.py", env=env)  # small, on 8 CPU devices
 
 
 @nox.session(python=TORCHAX[0])

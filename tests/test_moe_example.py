@@ -110,3 +110,12 @@ def test_tokens_dropped_for_capacity_are_reported_with_the_device(moe, mesh):
     assert failure.message == "48 tokens dropped"
     assert failure.device == {"dp": 1, "fsdp": 0, "ep": 1}
     assert os.path.samefile(failure.filename, moe.__file__)
+
+
+def test_the_small_runs_report_matches_its_golden_snapshot(report, jaxshard_snapshot):
+    """The layouts of every contract, the collectives (each all-to-all among them)
+    and the memory per device, against `__snapshots__/test_moe_example/`: a change
+    to the example that moves a layout or adds a collective fails here. One snapshot
+    per jax: each XLA's CPU compiler plans its own temporaries (jax 0.10.2's need
+    twice 0.12's)."""
+    jaxshard_snapshot(report, f"jax-{jax.__version__}")
