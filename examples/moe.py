@@ -392,14 +392,15 @@ def verify(mesh, setup, **kwargs) -> "jaxshard.Report":
     )
 
 
-def slot_bytes(setup, devices: int) -> int:
+def slot_bytes(setup, devices: int, width: int = 2) -> int:
     """What each all-to-all moves per device per layer, as the shapes imply it: every
     expert's slots for this device's tokens (tokens x top-k x capacity factor, rounded
-    up per expert), of d bfloat16 numbers; (ep - 1)/ep of them leave the device."""
+    up per expert), of d numbers of `width` bytes (bfloat16; XLA's CPU compiler moves
+    them as float32); (ep - 1)/ep of them leave the device."""
     dims, cfg = setup["dims"], setup["cfg"]
     tokens = dims["batch"] * dims["seqlen"] // devices
     capacity = math.ceil(tokens * cfg.top_k / dims["experts"] * cfg.capacity_factor)
-    return dims["experts"] * capacity * dims["d"] * 2
+    return dims["experts"] * capacity * dims["d"] * width
 
 
 def misplaced_expert(mesh, setup) -> "jaxshard.Report":
@@ -475,7 +476,8 @@ def main() -> int:
     report = verify(mesh, setup)
     print(report, end="\n\n")
 
-    implied = slot_bytes(setup, mesh.size)
+    width = 2 if topology else 4  # the CPU compiler's all-to-alls are in float32
+    implied = slot_bytes(setup, mesh.size, width)
     a2a = [c for c in report.collectives if c.kind == "all-to-all"]
     print(f"Each all-to-all moves {implied:,} bytes per device per layer (the slots):")
     for line in sorted({c.lineno for c in a2a if c.lineno is not None}):

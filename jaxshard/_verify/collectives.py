@@ -102,9 +102,16 @@ def _size(type_text: str) -> int:
     return total
 
 
-def _largest_array(type_text: str) -> int:
-    sizes = [_size(f"{dtype}[{dims}]") for dtype, dims in _ARRAY.findall(type_text)]
-    return max(sizes, default=0)
+def _moved(op: str, type_text: str, operand_types: list[str]) -> int:
+    """The bytes a collective moves per device: the larger of all its inputs and
+    all its outputs. XLA's combiners and its CPU all-to-all give one op many
+    operands (one per peer, or per merged collective), each part of the data; an
+    async `-start` op's result holds its inputs beside its outputs."""
+    inputs = sum(_size(t) for t in operand_types)
+    outputs = _size(type_text)
+    if op.endswith("-start") and outputs > inputs:
+        outputs -= inputs
+    return max(inputs, outputs)
 
 
 _IOTA = r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
@@ -214,9 +221,7 @@ def collectives(
         if kind not in KINDS or op.endswith("-done"):
             continue
         operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
-        moved = max(
-            [_largest_array(type_text)] + [_size(types.get(o, "")) for o in operands]
-        )
+        moved = _moved(op, type_text, [types.get(o, "") for o in operands])
         groups = _pairs(rest) if kind == "collective-permute" else _groups(rest)
         op_name = re.search(r'op_name="([^"]*)"', rest)
         where, innermost, made_in = None, None, ()

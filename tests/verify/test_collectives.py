@@ -92,6 +92,27 @@ def test_async_pairs_count_once_on_a_tpu(tpu_topology):
     kinds = [c.kind for c in report.collectives]
     assert kinds.count("all-gather") == 1, kinds
     assert report.collectives[0].axes == ("dp",)
+    # The start op's result holds its input beside its output: the output counts.
+    assert report.collectives[0].bytes == 64 * 256 * 4
+
+
+def exchange(x: Float[Array, "e c d", P(None, "ep", None)]):
+    return jax.shard_map(
+        lambda b: jax.lax.all_to_all(b, "ep", 0, 1, tiled=True),
+        in_specs=P(None, "ep", None),
+        out_specs=P("ep", None, None),
+    )(x)
+
+
+def test_an_op_with_an_operand_per_peer_moves_them_all():
+    """XLA's CPU compiler gives an all-to-all over 8 devices 8 operands, one per
+    peer (its combiners merge collectives the same way): the bytes are all of
+    them, each device's whole buffer, not one peer's share."""
+    mesh = jax.make_mesh((8,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    report = jaxshard.verify(exchange, mesh=mesh, dims={"e": 16, "c": 128, "d": 64})
+    assert re.search(r"all-to-all\(%[\w.\-]+, %", report.compiled.as_text())
+    (a2a,) = [c for c in report.collectives if c.kind == "all-to-all"]
+    assert a2a.bytes == 16 * (128 // 8) * 64 * 4  # this device's block, float32
 
 
 @pytest.mark.parametrize(
