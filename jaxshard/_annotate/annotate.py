@@ -220,6 +220,10 @@ def _unwrapped(fn: Callable) -> Any:
     return inspect.unwrap(fn) if callable(fn) else fn
 
 
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def _notes(trees: dict, blocks: dict, held: list[Held]) -> tuple[str, ...]:
     """What the report says of the parameters left unannotated."""
     notes = ()
@@ -227,14 +231,15 @@ def _notes(trees: dict, blocks: dict, held: list[Held]) -> tuple[str, ...]:
     if unnamed:
         listed = ", ".join(f"{function}: {name!r}" for function, name in unnamed)
         notes += (
-            f"{len(unnamed)} parameters hold instances of the model's classes whose "
-            f"fields were annotated, but were given no type ({listed}): their "
-            "modules do not name the class. Annotate each with its class for "
-            "jaxtyped to check its fields.",
+            f"{_count(len(unnamed), 'parameter holds', 'parameters hold')} "
+            "instances of the model's classes whose fields were annotated, but "
+            f"were given no type ({listed}): their modules do not name the class. "
+            "Annotate each with its class for jaxtyped to check its fields.",
         )
     if blocks:
         notes += (
-            f"{len(blocks)} functions took blocks inside a shard_map body "
+            f"{_count(len(blocks), 'function', 'functions')} took blocks inside a "
+            "shard_map body "
             f"({', '.join(list(blocks)[:6])}), whose arrays got no annotation: an "
             "annotation there describes the whole array a block is part of, which "
             "annotate does not tell.",
@@ -244,8 +249,11 @@ def _notes(trees: dict, blocks: dict, held: list[Held]) -> tuple[str, ...]:
         return notes
     more = f" and {len(skipped) - 6} more" if len(skipped) > 6 else ""
     listed = ", ".join(skipped[:6]) + more
+    holds = _count(
+        len(skipped), "parameter or field holds", "parameters or fields hold"
+    )
     return notes + (
-        f"{len(skipped)} parameters or fields hold pytrees of arrays, not annotated "
+        f"{holds} pytrees of arrays, not annotated "
         f"({listed}): only the fields of the model's own dataclasses and "
         "NamedTuples are annotated. Hold the arrays in one, or check them with "
         "jaxshard.check_tree.",
