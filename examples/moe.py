@@ -475,6 +475,9 @@ def main() -> int:
     # Raises jaxshard.ShardingError, listing every violation, if there is one.
     report = verify(mesh, setup)
     print(report, end="\n\n")
+    if topology and not report.fits:  # (verify fails on it too: a budget)
+        print("The step does not fit in one chip's HBM.")
+        return 1
 
     width = 2 if topology else 4  # the CPU compiler's all-to-alls are in float32
     implied = slot_bytes(setup, mesh.size, width)

@@ -121,3 +121,15 @@ def test_the_small_runs_report_matches_its_golden_snapshot(report, jaxshard_snap
     per jax: each XLA's CPU compiler plans its own temporaries (jax 0.10.2's need
     twice 0.12's)."""
     jaxshard_snapshot(report, f"jax-{jax.__version__}")
+
+
+def test_the_step_fits_a_v5p_chips_hbm_on_a_small_slice(moe, tpu_topology):
+    """Compiled for TPU v5p by libtpu: the memory per chip is stated against the
+    chip's HBM (95 GiB), and the all-to-alls move the bfloat16 slots the shapes
+    imply."""
+    setup = moe.SMALL
+    report = moe.verify(tpu_topology("v5p:2x2x2", setup["mesh"]), setup)
+    assert report.ok and report.fits
+    assert report.memory.hbm_bytes == 95 * 2**30
+    a2a = [c for c in report.collectives if c.kind == "all-to-all"]
+    assert a2a and {c.bytes for c in a2a} == {moe.slot_bytes(setup, 8)}
