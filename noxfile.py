@@ -124,13 +124,13 @@ def bench(session, jax):
     """Benchmarks: ratios measured side by side in one run, on the oldest and the
     newest tested jax."""
     scripts = ["bench_core", "bench_host", "bench_verify", "bench_checks"]
-    scripts += ["bench_annotate"]
+    scripts += ["bench_annotate", "bench_moe"]
     if session.python == TORCHAX[0]:
         _install(session, jax, "test,tpu,torchax")
         scripts.append("bench_torchax")
     else:
         _install(session, jax, "test,tpu")
-    env = {"JAX_PLATFORMS": "cpu"}  # libtpu only compiles, for bench_verify
+    env = {"JAX_PLATFORMS": "cpu"}  # libtpu only compiles (bench_verify, bench_moe)
     for script in scripts:
         session.run("python", f"benchmarks/{script}.py", *session.posargs, env=env)
 
