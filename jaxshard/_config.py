@@ -207,6 +207,32 @@ _defaults = _process_defaults()
 _default_mode = [_defaults["checks"]]
 
 
+class _CacheDir(threading.local):
+    """The folder of verify's cache in force in this thread (`given` False: the
+    process default, `_default_cache_dir`). Host-only: no program depends on it."""
+
+    given: bool = False
+    value: str | None = None
+
+
+_cache_dir = _CacheDir()
+_default_cache_dir = [os.environ.get("JAXSHARD_CACHE_DIR", "").strip() or None]
+
+
+def cache_dir() -> str | None:
+    """The folder `jaxshard.verify` keeps its reports in, or `None` for none."""
+    return _cache_dir.value if _cache_dir.given else _default_cache_dir[0]
+
+
+def _folder(value: Any, source: str) -> str | None:
+    if value is None or (isinstance(value, (str, os.PathLike)) and os.fspath(value)):
+        return None if value is None else os.fspath(value)
+    raise ValueError(
+        f"Unrecognised value {value!r} for {source}: a folder's path (a str or "
+        "os.PathLike), or None for no cache."
+    )
+
+
 def _traced(settings: dict[str, str]) -> dict[str, str]:
     """`settings` as the jit key holds them: `checks` only on or off."""
     if "checks" in settings:
@@ -236,13 +262,16 @@ class _Scope:
     """What `jaxshard.config(...)` returns: the settings are in force for this thread
     from the call on; `with` (or use as a decorator) puts them back when it ends."""
 
-    def __init__(self, settings: Settings, mode: str | None = None):
-        self._settings, self._mode = settings, mode
+    def __init__(self, settings: Settings, mode: str | None = None, cache: tuple = ()):
+        self._settings, self._mode, self._cache = settings, mode, cache
         self._context = _context(settings)
         self._context.__enter__()
         self._previous = _mode.value
+        self._previous_cache = (_cache_dir.given, _cache_dir.value)
         if mode is not None:
             _mode.value = mode
+        if cache:  # `(folder,)`: `cache_dir=` was given
+            _cache_dir.given, _cache_dir.value = True, cache[0]
 
     def __enter__(self) -> None:
         pass
@@ -250,11 +279,13 @@ class _Scope:
     def __exit__(self, *exc_info) -> None:
         if self._mode is not None:
             _mode.value = self._previous
+        if self._cache:
+            _cache_dir.given, _cache_dir.value = self._previous_cache
         self._context.__exit__(*exc_info)
 
     def _again(self) -> "_Scope":
         """The same scope, in force anew (for each call of a decorated function)."""
-        return _Scope(self._settings, self._mode)
+        return _Scope(self._settings, self._mode, self._cache)
 
     def __call__(self, fn: Callable) -> Callable:
         # As a decorator: not in force now, only while `fn` runs.
@@ -306,6 +337,13 @@ class Config:
         accumulate on the device across calls and nothing waits for the device until
         `jaxshard.flush_checks()`. `"off"`: checks are not traced at all; the compiled
         program is the one without them.
+    - `cache_dir`: a folder where `jaxshard.verify` keeps its reports (environment
+        variable `JAXSHARD_CACHE_DIR`; `None`, the default, keeps none). A verify of
+        a program whose code, contracts, mesh, options and versions are those of a
+        stored report returns that report without compiling (`report.compiled` is
+        then `None`). The folder holds at most `JAXSHARD_CACHE_MAX_BYTES` bytes (1
+        GiB), the reports used least recently going first. Its entries are pickles:
+        keep it where only you write, as your code.
 
     !!! Example
 
@@ -317,9 +355,13 @@ class Config:
         ```
     """
 
-    def __call__(self, **settings: str) -> _Scope:
+    def __call__(self, **settings: Any) -> _Scope:
+        cache = ()
+        if "cache_dir" in settings:
+            given = settings.pop("cache_dir")
+            cache = (_folder(given, "jaxshard.config(cache_dir=...)"),)
         traced = _with(current(), settings, "jaxshard.config({name}=...)")
-        return _Scope(traced, _host_mode(settings))
+        return _Scope(traced, _host_mode(settings), cache)
 
     def update(self, name: str, value: Any) -> None:
         """Sets the default of setting `name` for every thread (`"sharding"`,
@@ -332,6 +374,10 @@ class Config:
             rules = None if value is None else normalise(value)
             _context.set_global(_context.get_global()._replace(rules=rules))
             return
+        if name == "cache_dir":
+            source = "jaxshard.config.update('cache_dir', ...)"
+            _default_cache_dir[0] = _folder(value, source)
+            return
         source = "jaxshard.config.update({name!r}, ...)"
         _context.set_global(_with(_context.get_global(), {name: value}, source))
         mode = _host_mode({name: value})
@@ -343,13 +389,15 @@ class Config:
             return getattr(jaxtyping.config, name)
         if name in _SETTINGS:
             return _get(name)
+        if name == "cache_dir":
+            return cache_dir()
         raise AttributeError(f"jaxshard.config has no setting {name!r}")
 
     def __repr__(self) -> str:
         return (
             "jaxshard.config("
             + ", ".join(f"{name}={_get(name)!r}" for name in _SETTINGS)
-            + ")"
+            + f", cache_dir={cache_dir()!r})"
         )
 
 

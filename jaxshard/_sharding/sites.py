@@ -117,7 +117,7 @@ def make_site(annotation, x, aval, recorder=None) -> Site:
         # one call.
         if not calls or calls[-1][0] != function:
             calls += ((function, token),)
-    return Site(
+    site = Site(
         function=function,
         name=name,
         annotation=repr(annotation),
@@ -136,6 +136,9 @@ def make_site(annotation, x, aval, recorder=None) -> Site:
         rules=annotation.explain() if hasattr(annotation, "explain") else "",
         note=no_mesh_note(),
     )
+    if recorder is not None:  # every contract traced, for verify's cache key
+        recorder.sites.append(site)
+    return site
 
 
 def no_mesh_note() -> str:

@@ -10,7 +10,12 @@ import stat
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-    """Writes `text` (UTF-8) to `path`, making its folder if need be.
+    """Writes `text` (UTF-8, line endings as given) to `path`, as `write_bytes`."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Writes `data` to `path`, making its folder if need be.
 
     The text goes to a new file beside `path`, is flushed to the disk, and only then
     takes `path`'s place (`os.replace`, atomic on POSIX and Windows). On any failure
@@ -26,8 +31,8 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     except OSError as e:  # a folder one may not write to: say so of the file asked for
         raise type(e)(e.errno, e.strerror, given) from None
     try:
-        with open(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
+        with open(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         with contextlib.suppress(FileNotFoundError):

@@ -32,6 +32,7 @@ class Recorder:
         self._lock = threading.Lock()
         self._checks: list[tuple[Site, Any, str, set[str]]] = []
         self.function = function  # the verified function, left out of call chains
+        self.sites: list[Site] = []  # every contract traced, checked or not yet
 
     def add(self, site: Site, actual: Any, reason: str) -> None:
         # Inside a shard_map body, the axes a violating block varies over: it may

@@ -134,7 +134,9 @@ class Report:
         program fits in it (`None` off TPUs).
     - `flops`: the compiled program's floating-point operations per device, from
         `cost_analysis()` (`None` where XLA gives none).
-    - `compiled`: the `jax.stages.Compiled` program.
+    - `compiled`: the `jax.stages.Compiled` program; `None` for a report from
+        verify's cache (`jaxshard.config(cache_dir=...)`), or for a program XLA
+        refused for not fitting in HBM.
     - `collectives`: every collective of the compiled program, in program order, as
         `jaxshard.Collective`s (kind, bytes per device, mesh axes, and the line of
         your code it came from); `collective_bytes`: their bytes per kind.
@@ -229,7 +231,7 @@ class Report:
     @property
     def fits(self) -> bool | None:
         """Whether the program fits in one device's HBM (`None` when unknown)."""
-        if self.compiled is None:  # XLA refused it for want of memory
+        if self.compiled is None and self.memory is None:  # XLA refused it
             return False
         if self.memory is None or self.memory.hbm_bytes is None:
             return None

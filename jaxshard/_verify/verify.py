@@ -47,6 +47,7 @@ from .budgets import (
     sharding_budget_rows,
     unused_note,
 )
+from .cache import Cache, cache_for
 from .collectives import collectives
 from .frames import _is_user_code, user_frames_by_op
 from .moved import incompatible_devices, onto_mesh, values_onto_mesh
@@ -158,18 +159,19 @@ def verify(
     # Read first: a missing or wrong file fails before anything is compiled.
     golden = None if against is None else load_snapshot(against)
     inputs = _Inputs.of(fn, mesh, dims, dtypes, values)
-    compiled, refused, chains, recorder, notes = _compiled(inputs, mesh)
-    report = _report(
-        inputs,
-        mesh,
-        compiled,
-        refused,
-        chains,
-        recorder,
-        notes,
-        budgets=(max_collectives, max_collective_bytes, hbm_budget),
-        sharded=(min_sharded_fraction, max_replicated_bytes),
-    )
+    budgets = (max_collectives, max_collective_bytes, hbm_budget)
+    sharded = (min_sharded_fraction, max_replicated_bytes)
+    options = (budgets, sharded, inputs.name, inputs.notes)
+    cache = cache_for(_config.cache_dir(), mesh, options)
+    compiled, refused, chains, recorder, notes = _compiled(inputs, mesh, cache)
+    if isinstance(compiled, Report):  # the stored report of this very program
+        report = compiled
+    else:
+        report = _report(
+            inputs, mesh, compiled, refused, chains, recorder, notes, budgets, sharded
+        )
+        if cache is not None:
+            cache.store(report)
     if golden is not None:
         rows = report.rows + report._differences(golden, against, tolerance)
         found = report._every_collective
@@ -277,16 +279,17 @@ class _Inputs:
         return program
 
 
-def _compiled(inputs: _Inputs, mesh: Mesh) -> tuple:
+def _compiled(inputs: _Inputs, mesh: Mesh, cache: Cache | None = None) -> tuple:
     """`(compiled, refused, chains, recorder, notes)`: the program compiled for
-    `mesh` (None if XLA refused it for not fitting, `refused` saying why), each
-    op's frames in the user's code, the contracts recorded and what the report must
-    say of how it was compiled."""
+    `mesh` (None if XLA refused it for not fitting, `refused` saying why; the
+    stored `Report` if `cache` has this program's), each op's frames in the user's
+    code, the contracts recorded and what the report must say of how it was
+    compiled."""
     program, name = inputs.program(), inputs.name
     recorder, notes = Recorder(inputs.qualname), inputs.notes
     try:
         compiled, refused, chains = _compile(
-            program, inputs.traced, mesh, recorder, name
+            program, inputs.traced, mesh, recorder, name, cache
         )
     except _NoCustomPartitioning:
         # XLA's TPU compiler, loaded for a topology here, cannot partition the
@@ -296,7 +299,7 @@ def _compiled(inputs: _Inputs, mesh: Mesh) -> tuple:
         notes = (*inputs.notes, _checks_compiled_out(mesh))
         with _config.overriding(checks="off"):
             compiled, refused, chains = _compile(
-                program, inputs.traced, mesh, recorder, name
+                program, inputs.traced, mesh, recorder, name, cache
             )
     return compiled, refused, chains, recorder, notes
 
@@ -391,10 +394,13 @@ class _NoCustomPartitioning(Exception):
     """XLA's compiler refused a program with custom-partitioned operations."""
 
 
-def _compile(program, traced, mesh, recorder, name: str) -> tuple[Any, str, dict]:
+def _compile(
+    program, traced, mesh, recorder, name: str, cache: Cache | None = None
+) -> tuple[Any, str, dict]:
     """`(compiled, "", chains)` (`chains`: each op's frames in the user's code), or
     `(None, why, {})` for a program XLA's TPU compiler refuses for not fitting in
-    HBM; JAX's refusal of an operation is a `ModelError`."""
+    HBM, or `(report, "", {})` when `cache` holds this program's report; JAX's
+    refusal of an operation is a `ModelError`."""
     with (
         jax.set_mesh(mesh),
         _config.overriding(sharding="check", recorder=recorder),
@@ -402,7 +408,11 @@ def _compile(program, traced, mesh, recorder, name: str) -> tuple[Any, str, dict
         try:
             lowered = jax.jit(program).lower(traced)
             # The lowered module's locations keep each op's whole call chain.
-            chains = user_frames_by_op(lowered.as_text(debug_info=True))
+            text = lowered.as_text(debug_info=True)
+            stored = None if cache is None else cache.lookup(text, recorder.sites)
+            if stored is not None:
+                return stored, "", {}
+            chains = user_frames_by_op(text)
             return lowered.compile(), "", chains
         except Exception as e:
             if is_sharding_type_error(e):
