@@ -23,6 +23,7 @@ import math
 import os
 import pathlib
 import re
+import sys
 import warnings
 
 import pytest
@@ -56,7 +57,19 @@ def pytest_addoption(parser):
         "every test: a rule table, e.g. model:FSDP_RULES (overrides the "
         "jaxshard_axis_rules ini option)",
     )
+    group.addoption(
+        "--jaxshard-cache-dir",
+        metavar="DIR",
+        help="keep jaxshard.verify's reports in DIR, so that a test verifying an "
+        "unchanged program takes its report from there without compiling "
+        "(overrides the jaxshard_cache_dir ini option and JAXSHARD_CACHE_DIR)",
+    )
     parser.addini("jaxshard_devices", help="simulate this many CPU devices", default="")
+    parser.addini(
+        "jaxshard_cache_dir",
+        help="a folder for jaxshard.verify's reports (see --jaxshard-cache-dir)",
+        default="",
+    )
     parser.addini(
         "jaxshard_axis_rules",
         help="MODULE:OBJECT, the default axis rules for logical annotations",
@@ -91,6 +104,21 @@ def pytest_configure(config):
     )
     if rules:
         _default_rules(rules)
+    folder = (
+        config.getoption("jaxshard_cache_dir")
+        or str(config.getini("jaxshard_cache_dir")).strip()
+    )
+    if folder:
+        _cache_in(os.path.join(str(config.rootpath), os.path.expanduser(folder)))
+
+
+def _cache_in(folder: str) -> None:
+    """verify's cache in `folder` for the session: through the environment for a
+    jaxshard imported later (and the test's subprocesses), and the setting itself
+    for one imported already (by a conftest)."""
+    os.environ["JAXSHARD_CACHE_DIR"] = folder
+    if "jaxshard" in sys.modules:
+        sys.modules["jaxshard"].config.update("cache_dir", folder)
 
 
 def _default_rules(target: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from .._annotations.logical import active_rules, using
+from .._config import config
 from .._errors import expect, expect_callable
 from .._verify.report import Report
 from .._verify.verify import verify
@@ -140,7 +141,8 @@ def annotate(
     observer = Observer(files)
     with using(rules) if rules is not None else contextlib.nullcontext():
         table = active_rules()
-        with observer:
+        # Not from verify's cache: what annotate reads is seen while compiling.
+        with observer, config(cache_dir=None):
             report = verify(
                 fn,
                 mesh=mesh,

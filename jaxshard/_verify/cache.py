@@ -24,6 +24,7 @@ import io
 import os
 import pickle
 import re
+import traceback
 import warnings
 from typing import Any
 
@@ -46,8 +47,11 @@ class Cache:
     lowered program and the contracts traced, and says whether it is stored;
     `store` keeps the report made for it."""
 
-    def __init__(self, folder: str, mesh: Mesh, options: tuple):
+    def __init__(self, folder: str, mesh: Mesh, options: tuple, callers: set):
         self.folder, self.mesh, self.options = folder, mesh, options
+        # `(file, line)` of each frame that called verify: the lowered program's
+        # locations name them too, and where verify is called from decides nothing.
+        self.callers = callers
         self.key: str | None = None
 
     def lookup(self, lowered_text: str, sites: list) -> Report | None:
@@ -58,7 +62,7 @@ class Cache:
         digest.update(repr(self.options).encode() + b"\0")
         for site in sorted(sites, key=lambda s: s.order):
             digest.update(_site(site).encode() + b"\0")
-        digest.update(_stable(lowered_text).encode())
+        digest.update(_stable(lowered_text, self.callers).encode())
         self.key = digest.hexdigest()
         return self._read(self._path(self.key))
 
@@ -104,10 +108,12 @@ class Cache:
 
 
 def cache_for(folder: str | None, mesh: Mesh, options: tuple) -> Cache | None:
-    """The cache of `folder` (`None`: no cache)."""
+    """The cache of `folder` (`None`: no cache), for a verify called from here."""
     if not folder:
         return None
-    return Cache(os.path.abspath(os.path.expanduser(os.fspath(folder))), mesh, options)
+    callers = {(f.filename, f.lineno) for f in traceback.extract_stack()}
+    folder = os.path.abspath(os.path.expanduser(os.fspath(folder)))
+    return Cache(folder, mesh, options, callers)
 
 
 # --- the key --------------------------------------------------------------------------
@@ -145,11 +151,20 @@ _VOLATILE = (
 )
 
 
-def _stable(text: str) -> str:
-    """The lowered program's text without what differs from process to process."""
+_LOCATION = re.compile(r'loc\("([^"]+)":(\d+):[^)]*\)')
+
+
+def _stable(text: str, callers: set) -> str:
+    """The lowered program's text without what differs from process to process, nor
+    the lines that called verify."""
     for pattern, replacement in _VOLATILE:
         text = pattern.sub(replacement, text)
-    return text
+
+    def located(m: re.Match) -> str:
+        called = (m[1], int(m[2])) in callers
+        return 'loc("<caller>")' if called else m[0]
+
+    return _LOCATION.sub(located, text)
 
 
 def _site(site: Any) -> str:

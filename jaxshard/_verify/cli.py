@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._config import normalise
+from .._config import config, normalise
 from .._errors import ModelError, TypeCheckError
 from .abstract import abstract_args, stray_dims
 from .budgets import _check_budget
@@ -237,7 +237,10 @@ def _verified(args: argparse.Namespace, inputs: dict[str, Any]) -> Any:
     saying why."""
 
     try:
-        return verify(**inputs, raise_on_error=False)
+        if not args.cache_dir:
+            return verify(**inputs, raise_on_error=False)
+        with config(cache_dir=args.cache_dir):
+            return verify(**inputs, raise_on_error=False)
     except TypeCheckError as e:  # a contract that is not a sharding's
         status, message = 1, f"{type(e).__name__}: {e}"
     except ModelError as e:

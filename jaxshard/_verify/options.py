@@ -163,10 +163,12 @@ _VERIFY_ARGUMENTS = [
         "over the --against snapshot, as a fraction (default: 0.05, 5%%)",
     ),
     _arg(
-        "--json",
-        action="store_true",
-        help="print the report as JSON instead",
+        "--cache-dir",
+        metavar="DIR",
+        help="keep reports in DIR and answer an unchanged program from there without "
+        "compiling (default: $JAXSHARD_CACHE_DIR, or no cache)",
     ),
+    _arg("--json", action="store_true", help="print the report as JSON instead"),
     _arg(
         "--html",
         metavar="PATH",
