@@ -16,7 +16,7 @@ import jaxshard
 from jaxshard._verify import cache as _cache
 
 
-MODEL = '''
+MODEL = """
 import jax
 import jax.numpy as jnp
 from beartype import beartype
@@ -32,7 +32,7 @@ def layer(
     x: Float[Array, "b d", P("dp", None)], w: Float[Array, "d f", P(None, "tp")]
 ) -> Float[Array, "b f", {out}]:
     return jnp.tanh(x @ w)
-'''
+"""
 DIMS = {"b": 16, "d": 8, "f": 32}
 
 
