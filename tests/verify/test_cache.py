@@ -181,3 +181,44 @@ def test_the_setting(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="a folder's path"):
         jaxshard.config(cache_dir=3)
     assert "cache_dir=None" in repr(jaxshard.config)
+
+
+def test_the_command_line_and_the_plugin_use_it(tmp_path, pytester, monkeypatch):
+    """`python -m jaxshard verify ... --cache-dir DIR` a second time compiles
+    nothing; `pytest --jaxshard-cache-dir DIR` puts the tests' verifies in DIR."""
+    model(tmp_path)
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(tmp_path),
+    }
+    env.pop("JAXSHARD_CACHE_DIR", None)
+    command = [sys.executable, "-m", "jaxshard", "verify", "cached_model:layer"]
+    command += ["--mesh", "dp=4,tp=2", "--dim", "b=16", "--dim", "d=8"]
+    command += ["--dim", "f=32", "--cache-dir", str(tmp_path / "cli")]
+    for _ in range(2):
+        run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True)
+        assert run.returncode == 0, run.stderr.decode()
+    assert entries(tmp_path / "cli") == 1
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.delenv("JAXSHARD_CACHE_DIR", raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    pytester.makepyfile(
+        test_model=f"""
+        import jax, jaxshard, cached_model
+
+        def test_layer(mesh):
+            mesh = mesh({{"dp": 4, "tp": 2}}, axis_types="auto")
+            report = jaxshard.verify(cached_model.layer, mesh=mesh, dims={DIMS!r})
+            assert jaxshard.config.cache_dir.endswith("plugin")
+        """
+    )
+    for _ in range(2):
+        result = pytester.runpytest_subprocess(
+            "-p", "no:cacheprovider", "--jaxshard-devices", "8",
+            "--jaxshard-cache-dir", "plugin",
+        )  # fmt: skip
+        result.assert_outcomes(passed=1)
+    assert entries(pytester.path / "plugin") == 1
