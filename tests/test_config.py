@@ -174,4 +174,6 @@ def test_jaxtypings_settings_through_jaxshard_config():
     assert jaxtyping.config.jaxtyping_disable is False
     with pytest.raises(AttributeError, match="no setting 'nope'"):
         jaxshard.config.nope
-    assert repr(jaxshard.config) == "jaxshard.config(sharding='check', checks='raise')"
+    assert repr(jaxshard.config) == (
+        "jaxshard.config(sharding='check', checks='raise', cache_dir=None)"
+    )
