@@ -9,8 +9,8 @@ The key is a SHA-256 of:
     expected spec, logical rules): an annotation changed on the same line;
 - the mesh (axis names, sizes and types; each device's platform, kind, id and
     coordinates: a topology), the budgets and the report's notes;
-- the versions of jax, jaxlib, libtpu and jaxshard, and the flags XLA and libtpu
-    read from the environment.
+- the versions of jax, jaxlib, libtpu and jaxshard (and a digest of jaxshard's own
+    files), and the flags XLA and libtpu read from the environment.
 
 Entries are written whole or not at all (`files.write_bytes`), read back under the
 live mesh, and a corrupt entry is a miss with a warning. The folder keeps at most
@@ -18,10 +18,12 @@ live mesh, and a corrupt entry is a miss with a warning. The folder keeps at mos
 first.
 """
 
+import functools as ft
 import hashlib
 import importlib.metadata
 import io
 import os
+import pathlib
 import pickle
 import re
 import traceback
@@ -119,8 +121,19 @@ def cache_for(folder: str | None, mesh: Mesh, options: tuple) -> Cache | None:
 # --- the key --------------------------------------------------------------------------
 
 
+@ft.cache
+def _own_source() -> str:
+    """A digest of jaxshard's own files: a development copy changed without a new
+    version number is another jaxshard too (about 5 ms, once per process)."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def _versions() -> list[str]:
-    found = [f"jaxshard {__version__}", f"jax {jax.__version__}"]
+    found = [f"jaxshard {__version__} {_own_source()}", f"jax {jax.__version__}"]
     for name in ("jaxlib", "libtpu", "libtpu-nightly"):
         try:
             found.append(f"{name} {importlib.metadata.version(name)}")

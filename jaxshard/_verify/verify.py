@@ -161,7 +161,9 @@ def verify(
     inputs = _Inputs.of(fn, mesh, dims, dtypes, values)
     budgets = (max_collectives, max_collective_bytes, hbm_budget)
     sharded = (min_sharded_fraction, max_replicated_bytes)
-    options = (budgets, sharded, inputs.name, inputs.notes)
+    settings = _config.current()  # the rule table, and whether checks are on
+    options = (budgets, sharded, inputs.name, inputs.notes, settings.rules)
+    options += (settings.sharding, settings.checks)
     cache = cache_for(_config.cache_dir(), mesh, options)
     compiled, refused, chains, recorder, notes = _compiled(inputs, mesh, cache)
     if isinstance(compiled, Report):  # the stored report of this very program
