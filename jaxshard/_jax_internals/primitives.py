@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax._src.core import Primitive  # jax.extend.core's; see __init__
 from jax.interpreters import ad, batching, mlir, partial_eval as pe
 from jaxlib.mlir import ir  # what jax.extend.mlir.ir re-exports
@@ -110,6 +111,33 @@ else:
         return [], [], [], lambda residuals, *tangents: []
 
 
+class _Devices(tuple):
+    """A device assignment (a tuple, as JAX asks) that numpy reads as the array it
+    keeps. inspect_sharding's lowering rule makes a mesh of `np.array(devices)` at
+    every probe, and numpy looks into each device of a plain tuple: 6 ms for a
+    6,144-chip slice's, 40 times in a 59B train step's lowering."""
+
+    array: np.ndarray
+
+    def __array__(self, dtype=None, copy=None):
+        del copy  # a copy always: the mesh made of it must not share it
+        return np.array(self.array, dtype=dtype)
+
+
+@ft.lru_cache(maxsize=16)
+def _devices(devices: tuple) -> _Devices:
+    out = _Devices(devices)
+    out.array = np.empty(len(devices), dtype=object)
+    out.array[:] = devices
+    return out
+
+
+@ft.lru_cache(maxsize=16)
+def _mesh_devices(mesh: Any) -> _Devices:
+    """`mesh`'s devices in order, as `_devices`."""
+    return _devices(tuple(mesh.devices.flat))
+
+
 # A cache hit in JAX's persistent compilation cache would skip the partitioner, and so
 # the check. The custom call carries its callback's address, which can repeat (in
 # another process, or after `jax.clear_caches()`), so each lowering also gets a nonce
@@ -126,9 +154,20 @@ def _probe_lowering(ctx, value, *, callback, batch_dims, mesh=None):
             )
             return []
         # What inspect_sharding's rule reads: the devices and the mesh's shape.
-        devices = tuple(mesh.devices.flat)
+        devices = _mesh_devices(mesh)
         context = sharding_impls.ShardingContext(
             len(devices), devices, mesh.abstract_mesh
+        )
+        ctx = ctx.replace(
+            module_context=ctx.module_context.replace(axis_context=context)
+        )
+    elif (
+        isinstance(context, sharding_impls.ShardingContext)
+        and type(context.device_assignment) is tuple
+    ):
+        devices = _devices(context.device_assignment)
+        context = sharding_impls.ShardingContext(
+            context.num_devices, devices, context.abstract_mesh
         )
         ctx = ctx.replace(
             module_context=ctx.module_context.replace(axis_context=context)
