@@ -124,7 +124,7 @@ def bench(session, jax):
     """Benchmarks: ratios measured side by side in one run, on the oldest and the
     newest tested jax."""
     scripts = ["bench_core", "bench_host", "bench_verify", "bench_checks"]
-    scripts += ["bench_annotate", "bench_moe", "bench_cache"]
+    scripts += ["bench_annotate", "bench_moe", "bench_cache", "bench_pod"]
     if session.python == TORCHAX[0]:
         _install(session, jax, "test,tpu,torchax")
         scripts.append("bench_torchax")
