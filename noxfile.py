@@ -124,7 +124,13 @@ def bench(session, jax):
     """Benchmarks: ratios measured side by side in one run, on the oldest and the
     newest tested jax."""
     scripts = ["bench_core", "bench_host", "bench_verify", "bench_checks"]
-    scripts += ["bench_annotate", "bench_moe", "bench_cache", "bench_pod"]
+    scripts += [
+        "bench_annotate",
+        "bench_moe",
+        "bench_cache",
+        "bench_pod",
+        "bench_recompiles_memory",
+    ]
     if session.python == TORCHAX[0]:
         _install(session, jax, "test,tpu,torchax")
         scripts.append("bench_torchax")
