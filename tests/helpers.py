@@ -1,5 +1,7 @@
 import importlib.util
+import os
 import re
+import subprocess
 import sys
 
 import beartype
@@ -47,3 +49,19 @@ def imported(path, name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def jaxshard_command(folder, *args, env=None) -> tuple[int, str, str]:
+    """`python -m jaxshard ARGS` run in `folder` as a user runs it (no simulated
+    devices from this process's XLA_FLAGS; `env` added): its exit status, stdout
+    and stderr."""
+    given = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxshard", *args],
+        cwd=folder,
+        env={**given, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return out.returncode, out.stdout, out.stderr

@@ -1,11 +1,10 @@
 """`python -m jaxshard annotate`, run as a user would, in a subprocess."""
 
-import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
+from helpers import jaxshard_command
 
 
 MODEL = textwrap.dedent(
@@ -47,16 +46,7 @@ def run(tmp_path):
     (tmp_path / "model.py").write_text(MODEL)
 
     def run(*args):
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        out = subprocess.run(
-            [sys.executable, "-m", "jaxshard", "annotate", *args],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        return out.returncode, out.stdout, out.stderr
+        return jaxshard_command(tmp_path, "annotate", *args)
 
     return run
 

@@ -10,7 +10,7 @@ import textwrap
 
 import jax
 import pytest
-from helpers import imported
+from helpers import imported, jaxshard_command
 
 import jaxshard
 from jaxshard._verify import cache as _cache
@@ -187,24 +187,18 @@ def test_the_command_line_and_the_plugin_use_it(tmp_path, pytester, monkeypatch)
     """`python -m jaxshard verify ... --cache-dir DIR` a second time compiles
     nothing; `pytest --jaxshard-cache-dir DIR` puts the tests' verifies in DIR."""
     model(tmp_path)
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": str(tmp_path),
-    }
-    env.pop("JAXSHARD_CACHE_DIR", None)
-    command = [sys.executable, "-m", "jaxshard", "verify", "cached_model:layer"]
-    command += ["--mesh", "dp=4,tp=2", "--dim", "b=16", "--dim", "d=8"]
-    command += ["--dim", "f=32", "--cache-dir", str(tmp_path / "cli")]
-    for _ in range(2):
-        run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True)
-        assert run.returncode == 0, run.stderr.decode()
-    assert entries(tmp_path / "cli") == 1
-
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.delenv("JAXSHARD_CACHE_DIR", raising=False)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    command = ["verify", "cached_model:layer", "--mesh", "dp=4,tp=2"]
+    command += ["--dim", "b=16", "--dim", "d=8", "--dim", "f=32"]
+    command += ["--cache-dir", str(tmp_path / "cli")]
+    for _ in range(2):
+        code, _, err = jaxshard_command(tmp_path, *command)
+        assert code == 0, err
+    assert entries(tmp_path / "cli") == 1
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
     pytester.makepyfile(
         test_model=f"""
         import jax, jaxshard, cached_model

@@ -10,6 +10,7 @@ import time
 
 import jax
 import pytest
+from helpers import jaxshard_command
 
 import jaxshard
 
@@ -106,16 +107,7 @@ def run(tmp_path):
     (tmp_path / "model.py").write_text(MODEL)
 
     def run(*args):
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        out = subprocess.run(
-            [sys.executable, "-m", "jaxshard", *args],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        return out.returncode, out.stdout, out.stderr
+        return jaxshard_command(tmp_path, *args)
 
     return run
 
