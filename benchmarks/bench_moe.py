@@ -90,12 +90,9 @@ def load(name: str, checked: bool):
             f"the example's value checks have changed: {replaced}"
         )
         source = "".join(lines)
-    spec = importlib.util.spec_from_loader(name, loader=None)
-    module = importlib.util.module_from_spec(spec)
-    module.__file__ = str(EXAMPLE)
-    sys.modules[name] = module  # for the NamedTuples' and beartype's sake
-    exec(compile(source, str(EXAMPLE), "exec"), module.__dict__)
-    return module
+    from bench_verify import module_from  # in the child: it imports JAX
+
+    return module_from(name, EXAMPLE, source)
 
 
 # --- a child: one side, in a process of its own ---------------------------------------

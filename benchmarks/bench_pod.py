@@ -43,7 +43,7 @@ import jaxshard  # noqa: E402
 
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from bench_verify import load, side_by_side, timed  # noqa: E402
+from bench_verify import load, print_table, side_by_side, timed  # noqa: E402
 
 
 QUICK = "--quick" in sys.argv[1:]  # a smoke test of the script, not a measurement
@@ -140,14 +140,7 @@ def main() -> int:
             f"rounds: {ROUNDS}",
         ),
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    seconds = time.perf_counter() - started
-    print(
-        f"({seconds:.0f} s; wall-clock times, medians over rounds; ratios paired "
-        "within rounds, of wall-clock and of CPU time)"
-    )
+    print_table(rows, started)
     return 0
 
 

@@ -88,11 +88,17 @@ def load(name: str, checked: bool):
     if not checked:
         assert source.count(DECORATOR) >= 6, "the example's decorators have changed"
         source = source.replace(DECORATOR, "")
+    return module_from(name, EXAMPLE, source)
+
+
+def module_from(name: str, path: pathlib.Path, source: str):
+    """The module `name` made from `source`, an edited copy of the file at `path`
+    (its functions' code still names `path`, so lines and frames are the file's)."""
     spec = importlib.util.spec_from_loader(name, loader=None)
     module = importlib.util.module_from_spec(spec)
-    module.__file__ = str(EXAMPLE)
+    module.__file__ = str(path)
     sys.modules[name] = module  # for the NamedTuples' and beartype's sake
-    exec(compile(source, str(EXAMPLE), "exec"), module.__dict__)
+    exec(compile(source, str(path), "exec"), module.__dict__)
     return module
 
 
@@ -194,6 +200,18 @@ def compare_linen(mesh, rounds: int):
 
 
 # --- measuring ----------------------------------------------------------------------
+
+
+def print_table(rows: list, started: float) -> None:
+    """`rows` (a header, then the variants' rows) in columns, and what they are."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    seconds = time.perf_counter() - started
+    print(
+        f"({seconds:.0f} s; wall-clock times, medians over rounds; ratios paired "
+        "within rounds, of wall-clock and of CPU time)"
+    )
 
 
 def side_by_side(*runs, rounds: int) -> list[list]:
@@ -322,14 +340,7 @@ def main() -> int:
     )
     print(f"  {rows[-1][0]}: done", flush=True)
 
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    seconds = time.perf_counter() - started
-    print(
-        f"({seconds:.0f} s; wall-clock times, medians over rounds; ratios paired "
-        "within rounds, of wall-clock and of CPU time)"
-    )
+    print_table(rows, started)
     print(f"The linen decoder's {page}.")
     return 0
 
