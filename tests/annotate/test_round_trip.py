@@ -157,13 +157,11 @@ def test_they_catch_a_wrong_activation_layout(written):
 DECODERS = os.path.join(HERE, "..", "decoders.py")
 
 
-@pytest.mark.parametrize("style", ["linen", "nnx"])
-def test_the_flax_decoders_round_trip(style, tmp_path):
-    """The decoders stripped of their contracts, annotated under their rule table
-    (logical names where the rules map a layout back to one name each), written and
-    imported again: the train step runs and verifies, and the written contracts
-    catch a layer whose MLP kernel is named wrongly and tokens laid out wrongly."""
-    bare = imported(stripped_copy(DECODERS, tmp_path, "decoders_bare"), "dec_bare")
+def annotated_decoder(style: str, folder, name: str):
+    """tests/decoders.py stripped of its contracts into `folder/name.py`, and its
+    `style` decoder's loss annotated under its rule table (its own module's
+    functions and classes): the mesh, and what annotate found."""
+    bare = imported(stripped_copy(DECODERS, folder, name), name)
     mesh = jax.make_mesh(
         (2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3
     )
@@ -177,6 +175,16 @@ def test_the_flax_decoders_round_trip(style, tmp_path):
         rules=bare.RULES,
         modules=[bare],
     )
+    return mesh, found
+
+
+@pytest.mark.parametrize("style", ["linen", "nnx"])
+def test_the_flax_decoders_round_trip(style, tmp_path):
+    """The decoders stripped of their contracts, annotated under their rule table
+    (logical names where the rules map a layout back to one name each), written and
+    imported again: the train step runs and verifies, and the written contracts
+    catch a layer whose MLP kernel is named wrongly and tokens laid out wrongly."""
+    mesh, found = annotated_decoder(style, tmp_path, "decoders_bare")
     seen = {f.qualname: f.annotations for f in found.functions}
     block = f"{style.capitalize()}Block.__call__"
     act = 'Float[Array, "batch length embed", L("batch", None, None)]'
@@ -203,20 +211,7 @@ def test_the_equinox_decoder_round_trips(tmp_path):
     blocks, a nested MLP): they are the layouts the hand-written ones resolve to,
     and the written model trains, and catches a layer whose MLP weight is placed
     transposed, naming it by its path."""
-    bare = imported(stripped_copy(DECODERS, tmp_path, "eqx_bare"), "eqx_bare")
-    mesh = jax.make_mesh(
-        (2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3
-    )
-    made = bare.make_equinox(mesh)
-    dims = {"batch": bare.BATCH, "length": bare.LENGTH, "embed": bare.EMBED}
-    found = jaxshard.annotate(
-        made.loss,
-        mesh=mesh,
-        values={"state": made.state, "batch": made.batch},
-        dims=dims,
-        rules=bare.RULES,
-        modules=[bare],
-    )
+    mesh, found = annotated_decoder("equinox", tmp_path, "eqx_bare")
     fields = {f.qualname: f.annotations for f in found.functions if f.kind == "class"}
     assert set(fields) == {"EqxMlp", "EqxBlock", "EqxDecoder"}
     assert fields["EqxMlp"]["up"].startswith('Float[Array, "embed 64", ')
@@ -225,7 +220,7 @@ def test_the_equinox_decoder_round_trips(tmp_path):
     found.write()
     written = imported(tmp_path / "eqx_bare.py", "eqx_written")
     original = imported(DECODERS, "decoders_by_hand")
-    with jaxshard.axis_rules(bare.RULES):  # the specs resolved under the rules
+    with jaxshard.axis_rules(written.RULES):  # the specs resolved under the rules
         for cls, field in [("EqxMlp", "up"), ("EqxMlp", "down"), ("EqxBlock", "out"),
                            ("EqxDecoder", "embed")]:  # fmt: skip
             hand = type_hints(getattr(original, cls))[field]
