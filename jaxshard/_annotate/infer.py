@@ -95,7 +95,7 @@ def functions(
     held = [h for h in held if h.instance not in slices]
     by_function: dict[tuple, dict[str, list]] = {}
     for s in [*seen, *held]:
-        key = (s.filename, s.qualname, s.lineno, getattr(s, "kind", "parameter"))
+        key = (s.filename, s.qualname, s.lineno, s.kind)
         by_function.setdefault(key, {}).setdefault(s.name, []).append(s)
     found, findings = [], []
     for (filename, qualname, lineno, kind), params in by_function.items():
@@ -137,21 +137,22 @@ def _slices(seen: list[Seen]) -> set[int]:
     for s in seen:
         if s.kind == "field":
             shapes[s.call][(s.qualname, s.filename, s.name)] = s.shape
+    # Each instance's fields, and their shapes in that order.
+    signature = {
+        number: (tuple(sorted(fields)), tuple(fields[k] for k in sorted(fields)))
+        for number, fields in shapes.items()
+    }
     kinds: dict[tuple, set[tuple]] = collections.defaultdict(set)  # fields -> shapes
-    for fields in shapes.values():
-        kinds[tuple(sorted(fields))].add(tuple(fields[k] for k in sorted(fields)))
+    for fields, sizes in signature.values():
+        kinds[fields].add(sizes)
     sliced = set()
-    for key, signatures in kinds.items():
+    for fields, signatures in kinds.items():
         for small, large in itertools.permutations(signatures, 2):
             drop = {len(b) - len(a) for a, b in zip(small, large)}
             if len(drop) == 1 and (k := drop.pop()) > 0:
                 if all(b[k:] == a for a, b in zip(small, large)):
-                    sliced.add((key, small))
-    return {
-        number
-        for number, fields in shapes.items()
-        if (tuple(sorted(fields)), tuple(fields[k] for k in sorted(fields))) in sliced
-    }
+                    sliced.add((fields, small))
+    return {number for number, key in signature.items() if key in sliced}
 
 
 def _place(s: Seen | Held) -> int:

@@ -62,6 +62,7 @@ class Held:
     position: int
     type: str | None
     instance: int  # the instance's number, as its fields' `Seen.call`
+    kind: str = "parameter"  # as `Seen.kind`: a function's parameter
 
 
 class Observer:
