@@ -343,11 +343,8 @@ def _field(line: cst.CSTNode) -> tuple[str, cst.AnnAssign | None]:
 def _vague(annotation: str, optional: bool = False) -> bool:
     """Whether an annotation says only "a JAX array" (or that, or `None`); with
     `optional`, only "a JAX array, or `None`"."""
-    try:
-        node = ast.parse(annotation.strip(), mode="eval").body
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            node = ast.parse(node.value.strip(), mode="eval").body
-    except SyntaxError:
+    node = _expression(annotation)
+    if node is None:
         return False
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
         arms = [ast.unparse(node.left), ast.unparse(node.right)]
@@ -383,12 +380,19 @@ def _same(existing: str, proposed: str) -> bool:
     (a string annotation is the expression it holds)."""
 
     def tree(text: str) -> str:
-        try:
-            node = ast.parse(text.strip(), mode="eval").body
-            if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                node = ast.parse(node.value.strip(), mode="eval").body
-        except SyntaxError:
-            return text
-        return ast.dump(node)
+        node = _expression(text)
+        return text if node is None else ast.dump(node)
 
     return tree(existing) == tree(proposed)
+
+
+def _expression(annotation: str) -> ast.expr | None:
+    """The expression an annotation's source is (a string annotation's, the one it
+    holds), or `None` if it does not parse."""
+    try:
+        node = ast.parse(annotation.strip(), mode="eval").body
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            node = ast.parse(node.value.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    return node
