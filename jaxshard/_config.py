@@ -225,8 +225,10 @@ def cache_dir() -> str | None:
 
 
 def _folder(value: Any, source: str) -> str | None:
-    if value is None or (isinstance(value, (str, os.PathLike)) and os.fspath(value)):
-        return None if value is None else os.fspath(value)
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)) and os.fspath(value):
+        return os.fspath(value)
     raise ValueError(
         f"Unrecognised value {value!r} for {source}: a folder's path (a str or "
         "os.PathLike), or None for no cache."
