@@ -54,7 +54,9 @@ class Cache:
         # `(file, line)` of each frame that called verify: the lowered program's
         # locations name them too, and where verify is called from decides nothing.
         self.callers = callers
-        self.key: str | None = None
+        # The keys of this verify's lowerings: a second one (the value checks
+        # compiled out, see `verify._NoCustomPartitioning`) follows from the first.
+        self.keys: list[str] = []
 
     def lookup(self, lowered_text: str, sites: list) -> Report | None:
         """The stored report for this program, or `None`."""
@@ -65,17 +67,19 @@ class Cache:
         for site in sorted(sites, key=lambda s: s.order):
             digest.update(_site(site).encode() + b"\0")
         digest.update(_stable(lowered_text, self.callers).encode())
-        self.key = digest.hexdigest()
-        return self._read(self._path(self.key))
+        self.keys.append(digest.hexdigest())
+        return self._read(self._path(self.keys[-1]))
 
     def store(self, report: Report) -> None:
-        """Keeps `report` under the key of the last `lookup`, then bounds the
-        folder. A report that cannot be stored is left out, with a warning."""
-        if self.key is None:
+        """Keeps `report` under the key of each `lookup` (the next verify of this
+        program finds it at its first lowering), then bounds the folder. A report
+        that cannot be stored is left out, with a warning."""
+        if not self.keys:
             return
         try:
             data = _dumps(report)
-            write_bytes(self._path(self.key), data)
+            for key in self.keys:
+                write_bytes(self._path(key), data)
         except Exception as e:  # noqa: BLE001 (a cache never fails a verify)
             warnings.warn(
                 f"jaxshard.verify: the report was not stored in the cache at "
@@ -155,10 +159,15 @@ def _mesh(mesh: Mesh) -> list[str]:
 
 
 # What differs between two lowerings of one program in two processes: the host
-# addresses a probe's custom call carries, its nonce, and objects' addresses in the
-# names of locations (`<@beartype(model) at 0x7f...>`).
+# addresses the custom calls of probes and of custom partitioning (value checks on
+# Auto axes) carry, a probe's nonce, and objects' addresses in the names of
+# locations (`<@beartype(model) at 0x7f...>`).
+_CALLBACKS = r"@(?:InspectSharding|CustomSPMDPartitioning)"
 _VOLATILE = (
-    (re.compile(r'(@InspectSharding\([^)]*\) \{backend_config = )"[^"]*"'), r'\1""'),
+    (
+        re.compile("(" + _CALLBACKS + r'\([^)]*\) \{[^}]*?backend_config = )"[^"]*"'),
+        r'\1""',
+    ),
     (re.compile(r'jaxshard_nonce = "[0-9a-f]+"'), 'jaxshard_nonce = ""'),
     (re.compile(r" at 0x[0-9a-f]+"), " at 0x"),
 )

@@ -31,6 +31,7 @@ from jaxshard import Float
 def layer(
     x: Float[Array, "b d", P("dp", None)], w: Float[Array, "d f", P(None, "tp")]
 ) -> Float[Array, "b f", {out}]:
+    jaxshard.check_finite(x)  # on Auto axes, a custom-partitioned op
     return jnp.tanh(x @ w)
 """
 DIMS = {"b": 16, "d": 8, "f": 32}
@@ -98,8 +99,9 @@ def test_a_change_to_what_decides_the_report_is_a_miss(
 
 
 def test_another_process_is_answered_from_the_cache(tmp_path):
-    """Addresses and nonces in the lowered program differ from process to process:
-    they are no part of the key."""
+    """Addresses and nonces in the lowered program (a probe's, a value check's
+    custom partitioning's) differ from process to process: they are no part of the
+    key."""
     model(tmp_path)
     script = tmp_path / "run.py"
     script.write_text(
@@ -107,7 +109,8 @@ def test_another_process_is_answered_from_the_cache(tmp_path):
         import jax, jaxshard, cached_model
         from jax.sharding import AxisType
         mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
-        report = jaxshard.verify(cached_model.layer, mesh=mesh, dims={DIMS!r})
+        layer = jaxshard.checked(cached_model.layer)  # its value check compiled in
+        report = jaxshard.verify(layer, mesh=mesh, dims={DIMS!r})
         print(report.compiled is None, len(report.rows) == 3)
         """)
     )
@@ -216,3 +219,28 @@ def test_the_command_line_and_the_plugin_use_it(tmp_path, pytester, monkeypatch)
         )  # fmt: skip
         result.assert_outcomes(passed=1)
     assert entries(pytester.path / "plugin") == 1
+
+
+def test_a_tpu_program_whose_checks_are_compiled_out_is_found_at_once(
+    tmp_path, tpu_topology, monkeypatch
+):
+    """On a TPU topology's Auto axes verify compiles a program with value checks,
+    which XLA refuses, then one without: the report is kept under both lowerings'
+    keys, so the next verify compiles nothing at all."""
+    mesh = tpu_topology("v5e:2x2", {"dp": 2, "tp": 2})
+    layer = jaxshard.checked(model(tmp_path).layer)
+    folder = tmp_path / "cache"
+    with jaxshard.config(cache_dir=str(folder)):
+        first = jaxshard.verify(layer, mesh=mesh, dims=DIMS)
+        assert any("compiled out" in note for note in first.notes)
+        assert entries(folder) == 2
+        compiles = []
+        real = jax.stages.Lowered.compile
+        monkeypatch.setattr(
+            jax.stages.Lowered,
+            "compile",
+            lambda self, *a, **k: compiles.append(1) or real(self, *a, **k),
+        )
+        again = jaxshard.verify(layer, mesh=mesh, dims=DIMS)
+    assert again.compiled is None and compiles == []
+    assert again.to_dict() == first.to_dict()
