@@ -6,7 +6,6 @@ every leaf of every argument: a whole optimizer state).
 Only called on the error path: nothing here costs a passing call anything.
 """
 
-import dataclasses
 import inspect
 import re
 import typing
@@ -43,16 +42,17 @@ def _dimension_conflict(fn: Callable, args: tuple, kwargs: dict, message: str) -
     hints = type_hints(fn)
     arguments = sig.bind(*args, **kwargs).arguments
     bound: dict[str, tuple[int, str, tuple]] = {}
+    held = _held(message)
     conflict = ""
     for name, value in arguments.items():
         for where, annotation, shape in _arrays(hints.get(name), value, name):
             conflict = conflict or _bind(
-                annotation, shape, f"parameter {where!r}", bound
+                annotation, shape, f"parameter {where!r}", bound, held
             )
     returned = _returned_shape(message)
     annotation = hints.get("return")
     if not conflict and returned is not None and _is_array_annotation(annotation):
-        conflict = _bind(annotation, returned, "the return value", bound)
+        conflict = _bind(annotation, returned, "the return value", bound, held)
     if not conflict:
         return ""
     return (
@@ -70,8 +70,9 @@ def _is_array_annotation(annotation: Any) -> bool:
 
 def _arrays(annotation: Any, value: Any, where: str) -> Iterator[tuple]:
     """`(where, array annotation, shape)` for each array in `value` whose annotation
-    `annotation` states: through unions, fixed tuples, NamedTuples and dataclasses
-    (equinox Modules); containers whose structure it leaves open are skipped."""
+    `annotation` states: through unions, fixed tuples and NamedTuples (typeguard
+    checks their fields); containers whose structure it leaves open are skipped, and
+    a dataclass's fields, which no typechecker checks against the call's dims."""
     if _is_array_annotation(annotation):
         shape = getattr(value, "shape", None)
         if isinstance(shape, tuple):
@@ -95,8 +96,6 @@ def _arrays(annotation: Any, value: Any, where: str) -> Iterator[tuple]:
     fields: list[str] = []
     if issubclass(annotation, tuple) and hasattr(annotation, "_fields"):
         fields = list(annotation._fields)
-    elif dataclasses.is_dataclass(annotation):
-        fields = [f.name for f in dataclasses.fields(annotation)]
     if fields and isinstance(value, annotation):
         try:
             hints = type_hints(annotation)
@@ -108,10 +107,12 @@ def _arrays(annotation: Any, value: Any, where: str) -> Iterator[tuple]:
             )
 
 
-def _bind(annotation: Any, shape: tuple, where: str, bound: dict) -> str:
+def _bind(annotation: Any, shape: tuple, where: str, bound: dict, held: dict) -> str:
     """Binds the named dimensions of `annotation` to the sizes in `shape`, into
     `bound` (name -> size, where, shape); why one is bound already to another size,
-    or ""."""
+    or "". A conflict is said only where jaxtyping's own bindings (`held`, name ->
+    size as its message shows them) hold the first size: a typechecker need not
+    have checked each array read here (beartype does not look into a NamedTuple)."""
     dims = _dims.dimensions(annotation)
     variadic = [i for i, d in enumerate(dims) if d.kind == "variadic"]
     if len(variadic) > 1 or len(shape) < len(dims) - len(variadic):
@@ -130,7 +131,7 @@ def _bind(annotation: Any, shape: tuple, where: str, bound: dict) -> str:
         first, first_where, first_shape = bound[dim.name]
         if first == 1 and dim.broadcastable:
             continue
-        if first != size:
+        if first != size and held.get(dim.name) == str(first):
             if first_where == where:
                 return (
                     f"dimension {dim.name!r} is both {first} and {size} in {where} "
@@ -141,6 +142,15 @@ def _bind(annotation: Any, shape: tuple, where: str, bound: dict) -> str:
                 f"{first_shape}) but {size} in {where} (shape {shape})"
             )
     return ""
+
+
+def _held(message: str) -> dict[str, str]:
+    """The dimensions jaxtyping's `message` shows bound, name -> size as text."""
+    _, found, rest = message.partition(
+        "The current values for each jaxtyping axis annotation are as follows.\n"
+    )
+    pairs = (line.partition("=") for line in rest.splitlines() if found)
+    return {name: size for name, sep, size in pairs if sep}
 
 
 def _returned_shape(message: str) -> tuple[int, ...] | None:
