@@ -61,8 +61,9 @@ def _numbers(ks: Iterable[int]) -> str:
     return ", ".join(f"#{r[0]}" if len(r) == 1 else f"#{r[0]}–#{r[-1]}" for r in runs)
 
 
-def _why(first: Any, sites: list, numbers: dict) -> str:
-    """Where the first value laid out wrong was made."""
+def _why(first: Any, sites: list, numbers: dict, inputs: list | None = ()) -> str:
+    """Where the first value laid out wrong was made. `inputs` are the program's
+    input arrays, `(path, array)`, if known."""
     site = first.site
     before = [s for s in sites if s.order < site.order]
     if site.name == "return":
@@ -85,7 +86,26 @@ def _why(first: Any, sites: list, numbers: dict) -> str:
             f"made by {caller}, whose own parameters {conform}, and passed on: the "
             "layout changes in its code before that call"
         )
+    if inputs and not any(_laid_out_as(a, first) for _, a in inputs):
+        # A parameter of the outermost annotated call that no input of the program
+        # is: a loop's carry, a slice of a stacked weight, a value of unannotated code.
+        return (
+            "made inside the program, before the call, as no input of the program is "
+            "laid out so: look at the operations and weights that make it (for a "
+            "loop's carry, at the loop's body too)"
+        )
     return "given to the program laid out so: look at what is passed in"
+
+
+def _laid_out_as(array: Any, violation: Any) -> bool:
+    """Whether a program's input has the shape and the layout a violation found."""
+    sharding = getattr(array, "sharding", None)
+    if tuple(getattr(array, "shape", ())) != tuple(violation.site.shape):
+        return False
+    if not isinstance(sharding, NamedSharding):
+        return True  # not known to differ
+    ndim = len(violation.site.shape)
+    return format_spec(padded(sharding.spec, ndim)) == _layout(violation)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +131,7 @@ def report(violations: list, sites: list, head: str, inputs: list | None = ()) -
         function, k = _calls(numbers, v.site)
         n = numbers.get(v.site.calls[-1][1], (1, 1))[1] if v.site.calls else 1
         items.append(_Item(str(v), _layout(v), function, k, n, value_name(v.site.name)))
-    why = _why(violations[0], sites, numbers)
+    why = _why(violations[0], sites, numbers, inputs)
     notes = list(dict.fromkeys(v.site.note for v in violations if v.site.note))
     if inputs is None and len(items) > 1:
         notes.append(_UNREAD)
