@@ -48,6 +48,8 @@ def signature(fn: Callable) -> tuple[inspect.Signature, dict[str, Any]]:
     parameter)."""
     bound = inspect.ismethod(fn)
     target = inspect.unwrap(fn.__func__ if bound else fn)
+    if _is_callable_object(target):  # an equinox Module: its `__call__`, bound
+        bound, target = True, inspect.unwrap(type(target).__call__)
     sig = inspect.signature(target)
     try:
         hints = type_hints(target)
@@ -64,6 +66,17 @@ def signature(fn: Callable) -> tuple[inspect.Signature, dict[str, Any]]:
         sig = sig.replace(parameters=parameters[1:])  # `self`, bound already
         hints.pop(parameters[0].name, None)
     return sig, hints
+
+
+def _is_callable_object(target: Any) -> bool:
+    """Whether `target` is an instance called through its class's Python
+    `__call__` (an equinox Module, a model object), not a function or a class."""
+    call = getattr(type(target), "__call__", None)
+    return (
+        not isinstance(target, type)
+        and not callable(getattr(target, "__func__", None))
+        and inspect.isfunction(inspect.unwrap(call) if call is not None else None)
+    )
 
 
 def _is_array_annotation(annotation: Any) -> bool:
@@ -244,7 +257,10 @@ def _positional(sig: inspect.Signature, what: str) -> list[inspect.Parameter]:
 
 def _name(fn: Callable) -> str:
     """`train_step`, `Model.forward`: the qualified name without `<locals>`."""
-    name = getattr(inspect.unwrap(fn), "__qualname__", repr(fn))
+    target = inspect.unwrap(fn)
+    name = getattr(target, "__qualname__", None)
+    if name is None:  # a callable object (an equinox Module): its class's name
+        name = type(target).__qualname__ if _is_callable_object(target) else repr(fn)
     return name.split("<locals>.")[-1]
 
 

@@ -1,6 +1,7 @@
 """`jaxshard.abstract_args`: abstract inputs for a function, from its annotations
 (shapes from `dims`, dtypes from `dtypes`, shardings from the specs on a mesh)."""
 
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -20,6 +21,7 @@ from .._sharding.partitioning import place_partitioned
 from .._sharding.signature import (
     _array_annotations,
     _input_spec,
+    _is_callable_object,
     _listing,
     _name,
     _resolve_mesh,
@@ -326,3 +328,53 @@ def abstract_args(
                 "default, or use jaxshard.verify, which passes it by name."
             )
     return tuple(out)
+
+
+def _is_array_leaf(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray, np.generic))
+
+
+def split_python_leaves(values: dict[str, Any]) -> tuple[dict[str, Any], dict]:
+    """`(traced, fills)`: each value with its leaves that are not arrays (an equinox
+    Module's float or bool field, a callable) taken out, and how to put them back
+    (`refill`). They are passed to the function as the Python values they are, as
+    `eqx.filter_jit` passes them: traced, a float would be differentiated and a
+    callable refused by `jax.jit`."""
+    traced, fills = {}, {}
+    for name, value in values.items():
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+        if all(_is_array_leaf(x) for x in leaves):
+            traced[name] = value  # untouched: rebuilding may copy an nnx graph
+            continue
+        kept = [x if _is_array_leaf(x) else None for x in leaves]
+        traced[name] = jax.tree_util.tree_unflatten(treedef, kept)
+        fills[name] = (treedef, [None if _is_array_leaf(x) else x for x in leaves])
+    return traced, fills
+
+
+def refill(inputs: dict[str, Any], fills: dict) -> dict[str, Any]:
+    """`inputs` with the leaves `split_python_leaves` took out put back."""
+    out = dict(inputs)
+    for name, (treedef, python) in fills.items():
+        arrays = iter(jax.tree_util.tree_leaves(out[name]))
+        leaves = [next(arrays) if x is None else x for x in python]
+        out[name] = jax.tree_util.tree_unflatten(treedef, leaves)
+    return out
+
+
+def model_as_self(fn: Callable, values: Mapping[str, Any] | None) -> tuple:
+    """`(fn, values)`: a callable object holding arrays (an equinox Module, also
+    under `eqx.filter_jit`) as its class's `__call__`, given the object as `self`
+    in `values`: its weights are inputs of the program, laid out as they are (as
+    constants they would be replicated), and split from its Python fields as any
+    value's are. Anything else is returned as it is."""
+    target = inspect.unwrap(fn)
+    if not _is_callable_object(target):
+        return fn, values
+    if not any(_is_array_leaf(x) for x in jax.tree_util.tree_leaves(target)):
+        return fn, values
+    call = type(target).__call__
+    first = next(iter(inspect.signature(inspect.unwrap(call)).parameters), None)
+    if first is None or first in (values or {}):
+        return fn, values
+    return call, {first: target, **(values or {})}

@@ -35,7 +35,7 @@ from .._sharding.describe import (
 )
 from .._sharding.partitioning import check_partitioning, Partitioned
 from .._sharding.signature import _name, _POSITIONAL, _tree, signature
-from .abstract import _bound_inputs
+from .abstract import _bound_inputs, model_as_self, refill, split_python_leaves
 from .budgets import (
     _budget_rows,
     _check_budget,
@@ -218,6 +218,7 @@ class _Inputs:
     hints: dict[str, Any]
     module: Any  # a `torchax.compile`d module, or None
     notes: tuple[str, ...] = ()  # what the report says of how `fn` was taken
+    fills: dict = dataclasses.field(default_factory=dict)  # `split_python_leaves`
 
     @classmethod
     def of(cls, fn, mesh, dims, dtypes, values) -> "_Inputs":
@@ -227,12 +228,14 @@ class _Inputs:
         module = fn if tensors.is_compiled_module(fn) else None
         if module is not None:  # torchax.compile(module): its forward, and weights
             fn = tensors.module_forward(module)
+        fn, values = model_as_self(fn, values)  # an equinox Module
         name = _name(fn)
         fn, notes = onto_mesh(fn, mesh, name)  # a jit's shardings on other devices
         what = f"jaxshard.verify({name})"
         bound = _bound_inputs(fn, mesh, dims, dtypes, values, what)
         sig, hints = signature(fn)
         traced = {k: v for k, v in bound.items() if _is_input(v)}
+        traced, fills = split_python_leaves(traced)
         traced, moved = values_onto_mesh(traced, mesh, name)
         notes += moved
         static = {k: v for k, v in bound.items() if k not in traced}
@@ -243,7 +246,9 @@ class _Inputs:
             # The weights are inputs too, laid out on `mesh` as they are now.
             traced["self"] = tensors.abstract_weights(module, mesh, what)
             checked = tensors.module_call(module, checked_by_jaxshard(fn.__func__))
-        return cls(name, qualname, checked, traced, static, sig, hints, module, notes)
+        return cls(
+            name, qualname, checked, traced, static, sig, hints, module, notes, fills
+        )
 
     def program(self) -> Callable:
         """The function of the abstract inputs that is compiled: `fn` called with
@@ -251,7 +256,7 @@ class _Inputs:
         module, sig, hints = self.module, self.sig, self.hints
 
         def program(inputs):
-            given = {**self.static, **inputs}
+            given = {**self.static, **refill(inputs, self.fills)}
             if module is not None:
                 given = tensors.from_jax(given)
             args, kwargs = [], {}

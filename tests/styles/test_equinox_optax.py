@@ -1,0 +1,105 @@
+"""equinox and optax as their users write them: `eqx.Module`s whose fields carry
+sharding contracts, `jaxtyped(typechecker=beartype)` on `__call__`, a train step under
+`eqx.filter_jit` with `eqx.filter_value_and_grad` and `optax.adamw`, and the model
+handed to `jaxshard.verify` as it is (Python fields and all)."""
+
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from beartype import beartype
+from jax import Array
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxshard
+from jaxshard import Float
+
+
+X = Float[Array, "b d", P("dp", None)]
+H = Float[Array, "b h", P("dp", "tp")]
+
+
+@jaxshard.jaxtyped(typechecker=beartype)
+class Dense(eqx.Module):
+    """A layer with the Python fields equinox code keeps in a Module: a callable
+    (static), an int and a float (leaves), and a submodule of Python values."""
+
+    weight: Float[Array, "d h", P(None, "tp")]
+    scale: float
+    repeats: int
+    dropout: eqx.nn.Dropout
+    act: Callable = eqx.field(static=True, default=jax.nn.relu)
+
+    @jaxshard.jaxtyped(typechecker=beartype)
+    def __call__(self, x: X) -> H:
+        return self.act(x @ self.weight) * self.scale * self.repeats
+
+
+def _dense(mesh) -> Dense:
+    w = jnp.full((16, 32), 0.01)
+    w = jax.device_put(w, NamedSharding(mesh, P(None, "tp")))
+    return Dense(w, 0.5, 2, eqx.nn.Dropout(0.1))
+
+
+def _batch(mesh) -> Array:
+    return jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("dp", None)))
+
+
+OPTIMIZER = optax.adamw(1e-2)
+
+
+@eqx.filter_jit
+def _train_step(model, opt_state, x):
+    loss_fn = lambda m, x: jnp.mean(m(x) ** 2)  # noqa: E731
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x)
+    jaxshard.check_finite(grads, name="grads")
+    params = eqx.filter(model, eqx.is_array)
+    updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+    return eqx.apply_updates(model, updates), opt_state, loss
+
+
+def test_verify_keeps_a_modules_python_fields_as_filter_jit_does(mesh):
+    """`verify(step, values={"model": model, ...})` on an `eqx.filter_jit` step:
+    the model's float, int and bool leaves reach the step as the Python values they
+    are, as they do in a real call. Traced, the float was differentiated and optax
+    met a gradient where its state has None (a raw TypeError)."""
+    model = _dense(mesh)
+    with jax.set_mesh(mesh):
+        opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+        x = _batch(mesh)
+        _train_step(model, opt_state, x)  # the real call works
+        values = {"model": model, "opt_state": opt_state, "x": x}
+        report = jaxshard.verify(_train_step, mesh=mesh, values=values)
+    assert report.ok
+    rows = [(r.function, r.name, r.ok) for r in report.rows]
+    assert ("Dense.__call__", "x", True) in rows, rows
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["module", "filter_jit"])
+def test_verify_a_module_as_its_forward_pass(mesh, jit):
+    """`verify(model)` (or `verify(eqx.filter_jit(model))`): the module's
+    `__call__`, with its weights as inputs laid out as they are. Its class's field
+    annotations were read as `__call__`'s ('x' had "no array annotation"), and its
+    weights, closed over, were replicated on Auto axes: a correct model failed."""
+    model = _dense(mesh)
+    fn = eqx.filter_jit(model) if jit else model
+    report = jaxshard.verify(fn, mesh=mesh, dims={"b": 8, "d": 16})
+    rows = [(r.function, r.name, r.ok) for r in report.rows]
+    assert rows == [
+        ("Dense.__call__", "x", True),
+        ("Dense.__call__", "return", True),
+    ], rows
+    w = jax.device_put(model.weight, NamedSharding(mesh, P()))
+    wrong = eqx.tree_at(lambda m: m.weight, model, w)
+    fn = eqx.filter_jit(wrong) if jit else wrong
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jaxshard.verify(fn, mesh=mesh, dims={"b": 8, "d": 16})
+    assert str(e.value).startswith(
+        "1 sharding contract violated when Dense.__call__ was compiled"
+    ), str(e.value)
+    assert "the return value is P('dp', None) where the annotation expects " in str(
+        e.value
+    )
