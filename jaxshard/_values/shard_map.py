@@ -50,7 +50,9 @@ def shard_map(
         takes them; by default those in force at each call (the specs are read again
         when they change).
     - `**kwargs`: passed on to `jax.shard_map` (`axis_names`, `check_vma`, and
-        `in_specs`/`out_specs` to override the annotations).
+        `in_specs`/`out_specs` to override the annotations). With `axis_names`
+        (partly manual), the specs read from the annotations, which describe the
+        global array, are given to `jax.shard_map` over the manual axes alone.
 
     **Returns:**
 
@@ -101,7 +103,8 @@ def _shard_map(fn: Callable, mesh: Any, what: str, kwargs: dict) -> Callable:
                 "passes arguments by position."
             )
     annotated = "in_specs" not in kwargs  # the in_specs are the annotations'
-    if "in_specs" not in kwargs or "out_specs" not in kwargs:
+    read = [side for side in ("in_specs", "out_specs") if side not in kwargs]
+    if read:
         # A block is laid out whole along an unconstrained dimension.
         ins, out = _shardings(fn, _input_spec)
         params = _positional(sig, what)
@@ -122,6 +125,11 @@ def _shard_map(fn: Callable, mesh: Any, what: str, kwargs: dict) -> Callable:
                     "replicated value) or pass `out_specs=`."
                 )
             kwargs["out_specs"] = out
+        if "axis_names" in kwargs:
+            # Partly manual: the annotations describe the global array, over every
+            # axis; jax.shard_map's specs name the manual axes alone.
+            for side in read:
+                kwargs[side] = _over(set(kwargs["axis_names"]), kwargs[side])
     body = checked_by_jaxshard(fn)
 
     def body_with_checks(*args):
@@ -198,6 +206,22 @@ def _sharded(annotation: Any) -> Any:
         if partition_spec(member) is not None:
             return member
     return annotation
+
+
+def _over(manual: set, specs: Any) -> Any:
+    """`specs` (a tree of `PartitionSpec`s) with every axis not in `manual` left
+    out: `P(("dp", "fsdp"), "tp")` over `{"dp"}` is `P("dp", None)`."""
+
+    def entry(e: Any) -> Any:
+        names = tuple(n for n in (e if isinstance(e, tuple) else (e,)) if n in manual)
+        return None if not names else names[0] if len(names) == 1 else names
+
+    def spec(s: Any) -> Any:
+        return s if s is None else PartitionSpec(*(entry(e) for e in s))
+
+    return jax.tree.map(
+        spec, specs, is_leaf=lambda x: x is None or isinstance(x, PartitionSpec)
+    )
 
 
 def _has_none(tree: Any) -> bool:

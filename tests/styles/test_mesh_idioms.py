@@ -336,3 +336,35 @@ def test_a_carry_laid_out_wrong_is_not_said_to_be_passed_in():
         jaxshard.ShardingError, match="given to the program laid out so"
     ):
         jax.jit(lambda x: scale_tp(scale_tp(x)))(x)
+
+
+@pytest.mark.parametrize(
+    "types",
+    [
+        (AxisType.Explicit,) * 2,
+        (AxisType.Auto,) * 2,
+        (AxisType.Explicit, AxisType.Auto),
+    ],
+    ids=["explicit", "auto", "mixed"],
+)
+def test_jaxshard_shard_map_partly_manual(types):
+    """`axis_names={"dp"}`: the annotations describe the global array over every
+    axis; jax.shard_map is given their specs over the manual axes alone (it refuses
+    one naming 'tp')."""
+    mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=types)
+    both = Float[Array, "b d", P("dp", "tp")]
+
+    @jaxshard.jaxtyped(typechecker=beartype)
+    def body(x: both) -> both:
+        return x * 2
+
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.ones((8, 4)), P("dp", "tp"))
+        mapped = jaxshard.shard_map(body, axis_names={"dp"})
+        out = jax.jit(mapped)(x)
+        assert out.sharding.spec == P("dp", "tp")
+        np.testing.assert_array_equal(out, 2 * np.ones((8, 4)))
+        if types[1] == AxisType.Explicit:  # tp is checked from the block's type
+            rows = jaxshard.shard_map(scale, axis_names={"dp"})
+            with pytest.raises(jaxshard.ShardingError, match=r"scale\), parameter 'x'"):
+                jax.jit(rows)(x)
