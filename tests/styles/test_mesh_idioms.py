@@ -368,3 +368,79 @@ def test_jaxshard_shard_map_partly_manual(types):
             rows = jaxshard.shard_map(scale, axis_names={"dp"})
             with pytest.raises(jaxshard.ShardingError, match=r"scale\), parameter 'x'"):
                 jax.jit(rows)(x)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_placing_and_constraining_under_the_legacy_context(kind):
+    """`jaxshard.device_put`, `shardings_of`, `shardings` and `constrain` read the
+    mesh of `with mesh:` as they read `jax.set_mesh`'s."""
+    import dataclasses
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Params:
+        w: W
+        b: Float[Array, " f", P("tp")]
+
+    @jaxshard.jaxtyped(typechecker=beartype)
+    def f(x: X) -> X:
+        return jaxshard.constrain(x * 2, X)
+
+    mesh = _mesh(kind)
+    with _legacy(mesh):
+        params = jaxshard.device_put(Params(jnp.ones((4, 4)), jnp.ones(4)))
+        assert params.w.sharding == NamedSharding(mesh, P(None, "tp"))
+        assert jaxshard.shardings_of(params).b == NamedSharding(mesh, P("tp"))
+        ins, out = jaxshard.shardings(f)
+        assert ins == (NamedSharding(mesh, P("dp", None)),) and out == ins[0]
+        x = _put(jnp.ones((8, 4)), mesh, P("dp", None))
+        assert jax.jit(f)(x).sharding.spec == P("dp", None)
+        jaxshard.check_tree(params)
+        with pytest.raises(jaxshard.ShardingError, match=r"Params\.w"):
+            jaxshard.check_tree(
+                Params(_put(jnp.ones((4, 4)), mesh, P("tp", None)), params.b)
+            )
+
+
+@pytest.mark.parametrize(
+    "loop", ["scan_unroll", "scan_reverse", "fori_loop", "while_loop", "cond", "map"]
+)
+def test_value_and_sharding_checks_in_control_flow_on_explicit_axes(loop):
+    mesh = _mesh("explicit")
+
+    @jaxshard.jaxtyped(typechecker=beartype)
+    def layer(x: X, w: W) -> X:
+        h = jnp.einsum("bd,df->bf", x, w, out_sharding=P("dp", None))
+        jaxshard.check(jnp.all(jnp.abs(h) < 1e3), "big {m}", m=jnp.abs(h).max())
+        return jnp.tanh(h)
+
+    def body(c, w):
+        return layer(c, w), None
+
+    programs = {
+        "scan_unroll": lambda ws, x: jax.lax.scan(body, x, ws, unroll=2)[0],
+        "scan_reverse": lambda ws, x: jax.lax.scan(body, x, ws, reverse=True)[0],
+        "fori_loop": lambda ws, x: jax.lax.fori_loop(
+            0, 3, lambda i, c: layer(c, ws[i]), x
+        ),
+        "while_loop": lambda ws, x: jax.lax.while_loop(
+            lambda c: c[0] < 3, lambda c: (c[0] + 1, layer(c[1], ws[c[0]])), (0, x)
+        )[1],
+        "cond": lambda ws, x: jax.lax.cond(
+            x.sum() > 0, lambda: layer(x, ws[0]), lambda: x
+        ),
+        "map": lambda ws, x: jax.lax.map(lambda w: layer(x, w), ws).sum(0),
+    }
+    step = jaxshard.checked(jax.jit(programs[loop]))
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.ones((8, 4)), P("dp", None))
+        ws = jax.device_put(jnp.ones((3, 4, 4)), P(None, None, "tp"))
+        assert step(ws, x).sharding.spec == P("dp", None)
+        jaxshard.flush_checks()
+        with pytest.raises(jaxshard.CheckError, match="big 40000"):
+            step(ws * 1e4, x)
+            jaxshard.flush_checks()
+        wrong = jax.device_put(jnp.ones((3, 4, 4)), P(None, "tp", None))
+        with pytest.raises(jaxshard.ShardingError, match=r"layer, parameter 'w'"):
+            step(wrong, x)
