@@ -279,6 +279,11 @@ def jaxtyped(fn: Any = _sentinel, *, typechecker: Any = _sentinel) -> Any:
 
     - A `jax.jit` function (`@jaxtyped @jax.jit def f`) is jitted anew around its
         checked function, with the same static and donated arguments and shardings.
+    - A decorated dataclass's `__init__` is checked when the user makes an instance,
+        not when JAX rebuilds one from its leaves (a `register_dataclass` class
+        under `jax.tree.map`, `eval_shape` or jit's shardings, whose leaves may be
+        shapes, `ShapeDtypeStruct`s or shardings): jaxtyping checks those too, and
+        fails them.
 
     `@typing.no_type_check` above it turns checking off, as with jaxtyping's.
 

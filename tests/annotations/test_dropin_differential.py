@@ -661,3 +661,42 @@ def test_drawn_signatures_check_as_jaxtypings(texts, shapes, checker, jit):
         typechecker[checker],
         jax.jit if jit else None,
     )
+
+
+# --- the one difference by design -----------------------------------------------------
+
+
+def test_a_registered_dataclass_rebuilt_by_jax(typechecker):
+    """jaxtyping checks a decorated `register_dataclass` class's `__init__` whenever
+    JAX rebuilds an instance from its leaves, and fails on leaves that are not
+    arrays; jaxshard checks it only when the user makes one (its docstring says so).
+    Everything else agrees."""
+
+    def make(lib):
+        @lib.jaxtyped(typechecker=typechecker)
+        @jax.tree_util.register_dataclass
+        @dataclasses.dataclass
+        class D:
+            x: lib.Float[Array, "b"]
+            y: lib.Float[Array, "b"]
+
+        return D
+
+    rebuilt = {
+        "tree.map to shapes": lambda D: jax.tree.map(lambda a: a.shape, D(z(3), z(3))),
+        "eval_shape": lambda D: jax.eval_shape(lambda d: d, D(z(3), z(3))),
+    }
+    made = {
+        "made": lambda D: D(z(3), z(3)),
+        "made wrong": lambda D: D(z(3), z(4)),
+        "replace": lambda D: dataclasses.replace(D(z(3), z(3)), y=z(4)),
+        "jit": lambda D: jax.jit(lambda d: d)(D(z(3), z(3))),
+        "vmap": lambda D: jax.vmap(lambda d: d)(D(z((2, 3)), z((2, 3)))),
+    }
+    for name, use in rebuilt.items():
+        theirs, ours = (_outcome(lambda lib=lib: use(make(lib)))[0] for lib in _LIBS)
+        assert (theirs, ours) == (jaxtyping.TypeCheckError, "ok"), name
+    for name, use in made.items():
+        theirs, ours = (_outcome(lambda lib=lib: use(make(lib)))[0] for lib in _LIBS)
+        assert theirs == ours, name
+    assert "when JAX rebuilds one" in " ".join(jaxshard.jaxtyped.__doc__.split())
