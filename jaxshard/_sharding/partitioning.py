@@ -312,7 +312,8 @@ def check_tree(tree: Any, annotation: Any = None, *, name: str | None = None) ->
 
     **Arguments:**
 
-    - `tree`: the value, e.g. an equinox Module.
+    - `tree`: the value, e.g. an equinox Module, or a tuple, list or dict of
+        values, each checked by its own type: `check_tree((model, opt_state))`.
     - `annotation`: its type; by default `type(tree)`. For one array, an array
         annotation, or a bare `PartitionSpec` or `jaxshard.L(...)` as
         `jaxshard.constrain` takes them (of its shape and dtype, only the rank is
@@ -336,7 +337,9 @@ def check_tree(tree: Any, annotation: Any = None, *, name: str | None = None) ->
     name = spec_name(annotation) if name is None else name
     annotation = type(tree) if annotation is None else annotation
     annotation = as_annotation(annotation, "jaxshard.check_tree")
-    name = getattr(annotation, "__name__", "tree") if name is None else name
+    if name is None:  # as `device_put` says it: `tree[0].w` for a bare tuple
+        plain = annotation in (dict, list, tuple)
+        name = "tree" if plain else getattr(annotation, "__name__", "tree")
     found: list[tuple[str, Any, Any]] = []
     _collect(tree, annotation, name, found)
     carried = metadata_checks(tree, name, {where for where, *_ in found})

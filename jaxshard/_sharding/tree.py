@@ -256,6 +256,13 @@ def _collect(value: Any, annotation: Any, where: str, out: list) -> None:
         for k, v in value.items():
             _collect(v, args[1], f"{where}[{k!r}]", out)
         return
+    if annotation in (tuple, list, dict) and isinstance(value, annotation):
+        # A bare container, `check_tree((model, opt_state))`: each item's own type.
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            if not is_array_like(v):
+                _collect(v, type(v), f"{where}[{k!r}]", out)
+        return
     if _fits(value, annotation):
         # Any other class whose attributes are annotated (a flax.nnx.Module, say).
         hints = type_hints(type(value))

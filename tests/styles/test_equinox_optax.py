@@ -44,8 +44,9 @@ def _dense(mesh) -> Dense:
     return Dense(w, 0.5, 2, eqx.nn.Dropout(0.1))
 
 
-def _batch(mesh) -> Array:
-    return jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("dp", None)))
+def _batch(mesh, nan: bool = False) -> Array:
+    x = jnp.ones((8, 16)).at[0, 0].set(jnp.nan if nan else 1.0)
+    return jax.device_put(x, NamedSharding(mesh, P("dp", None)))
 
 
 OPTIMIZER = optax.adamw(1e-2)
@@ -103,3 +104,33 @@ def test_verify_a_module_as_its_forward_pass(mesh, jit):
     assert "the return value is P('dp', None) where the annotation expects " in str(
         e.value
     )
+
+
+def test_check_tree_of_a_model_and_its_optimizer_state_together(mesh):
+    """`check_tree((model, opt_state))`, eagerly and in the step: a bare tuple (or
+    list, or dict) is walked into, each item by its own type, as `device_put` walks
+    it. It checked nothing: a misplaced weight passed."""
+    model = _dense(mesh)
+    w = jax.device_put(model.weight, NamedSharding(mesh, P()))
+    wrong = eqx.tree_at(lambda m: m.weight, model, w)
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    jaxshard.check_tree((model, opt_state))
+    jaxshard.check_tree({"model": model, "opt_state": opt_state})
+    with pytest.raises(jaxshard.ShardingError) as e:
+        jaxshard.check_tree((wrong, opt_state))
+    assert str(e.value).startswith(
+        "check_tree(tree): tree[0].weight: this array (float32[16,32]) is sharded "
+        "as P(None, None)"
+    ), str(e.value)
+    with pytest.raises(jaxshard.ShardingError, match=r"\['model'\]\[1\]\.weight"):
+        jaxshard.check_tree({"model": [model, wrong]})
+
+    @eqx.filter_jit
+    def step(model, opt_state):
+        jaxshard.check_tree((model, opt_state))
+        return model.weight.sum()
+
+    with jax.set_mesh(mesh):
+        step(model, opt_state)
+        with pytest.raises(jaxshard.ShardingError, match=r"tree\[0\]\.weight"):
+            step(wrong, opt_state)
