@@ -101,12 +101,15 @@ def verify(
     - `fn`: the function, e.g. a training step or a model's forward pass (jitted or
         not). A `jax.jit` whose shardings are on other devices than `mesh`'s (the
         CPUs at hand) is jitted anew with each `NamedSharding`'s spec on `mesh`, and
-        the report's notes say so.
+        the report's notes say so. An equinox Module (also under `eqx.filter_jit`)
+        is its `__call__`, with its weights as inputs laid out as they are.
     - `mesh`: the mesh: `jaxshard.tpu_mesh("v5e:16x16", {"dp": 16, "tp": 16})` for a
         TPU pod, or a mesh of simulated CPU devices.
     - `dims`, `dtypes`, `values`: as for `jaxshard.abstract_args`. Values that hold
-        no arrays are passed to `fn` as Python values (static); arrays laid out on
-        other devices are taken with the same specs on `mesh`.
+        no arrays are passed to `fn` as Python values (static), and so are the
+        leaves of a value that are not arrays (a Module's float or callable field),
+        as `eqx.filter_jit` passes them; arrays laid out on other devices are taken
+        with the same specs on `mesh`.
     - `rules`: the axis rules for logical annotations (`L(...)`, `BY_NAME`), as
         `jaxshard.axis_rules` takes them; by default those in force.
     - `max_collectives`: a budget of collectives per kind, e.g. `{"all-gather": 0}`
