@@ -103,6 +103,19 @@ def _message(message: str, notes: list, fn: Callable, args: tuple, kwargs: dict)
     return f"{message}\n----------------------\n{title}:\n{details}"
 
 
+def _raised_in_body(error: BaseException, fn: Callable) -> bool:
+    """Whether `error` came from inside `fn`'s body (the check of a function it
+    calls), not from the check of `fn`'s own call: then its message is about that
+    other call, whose arguments and dimensions are not `fn`'s."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 # What checks a function's nnx Module arguments against their Variables' metadata
 # (`nnx.ModuleParameters`, which `nnx`, a module above this one, puts here when the
 # package is imported).
@@ -131,6 +144,8 @@ def _with_notes(checked, fn, modules: bool = True):
                 parameters.check(args, kwargs)
             return checked(*args, **kwargs)
         except TypeCheckError as e:
+            if _raised_in_body(e, fn):
+                raise  # a check of a call it makes: that call's error, as it is
             notes = frames[-1] or []
             if isinstance(e, ShardingError):
                 hide_frames(e)
@@ -350,6 +365,8 @@ def _with_message(checked, fn):
         try:
             return checked(*args, **kwargs)
         except TypeCheckError as e:
+            if _raised_in_body(e, fn):
+                raise  # a check of a call it makes: that call's error, as it is
             if isinstance(e, ShardingError):
                 hide_frames(e)
                 raise

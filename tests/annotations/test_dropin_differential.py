@@ -549,6 +549,32 @@ def test_nested_calls_have_their_own_dimensions(typechecker):
     _agree(make, [(z(3), z(4)), (z(1), z(2))], typechecker, [True, False])
 
 
+@pytest.mark.parametrize("inner_lib", _LIBS, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_failing_call_in_the_body_keeps_its_own_message(inner_lib, jit, typechecker):
+    """The error of a checked call that a checked function makes is that call's:
+    the outer function's decorator left its dimensions but showed its own arguments
+    under "Called with parameters" ({'x': f32[3], 'y': f32[5]} for `inner`'s
+    {'a': f32[5], 'b': f32[3]})."""
+    F = jaxshard.Float[Array, "n"]
+
+    @inner_lib.jaxtyped(typechecker=typechecker)
+    def inner(a: F, b: F):
+        return a
+
+    @jaxshard.jaxtyped(typechecker=typechecker)
+    def outer(x: F, y: jaxshard.Float[Array, "m"]):
+        return inner(y, x)
+
+    alone = _outcome(lambda: inner(z(5), z(3)))
+    nested = _outcome(lambda: (jax.jit(outer) if jit else outer)(z(3), z(5)))
+    assert nested[0] is alone[0] is jaxtyping.TypeCheckError
+    called = [line for line in nested[1].splitlines() if line.startswith("Called")]
+    assert called == ["Called with parameters: {'a': f32[5], 'b': f32[3]}"]
+    if not jit:
+        assert nested == alone
+
+
 def _isinstance_pairs(lib, annotation_of, first, second):
     """`isinstance` of two arrays: outside any check, in a `typechecker=None`
     function, and in `jaxtyped("context")` (the two share their dimensions)."""
