@@ -17,6 +17,7 @@ clears) the programs that made them.
 
 import collections
 import contextlib
+import dataclasses
 import functools as ft
 import threading
 from collections.abc import Iterator
@@ -83,6 +84,11 @@ class Flags:
         self._refs: dict[Any, tuple[Any, Any]] = {}
         self._generation: object = None
         self._call = -1
+        # The calls made in earlier generations: the device's call counter goes on
+        # from there (a site's state keeps the index of the last call it ran in, and
+        # an index used again would count the new call's evaluation as a loop
+        # iteration of that one); a deferred failure's call is said from 0.
+        self._base = 0
         self._lock = threading.Lock()  # sites added from other threads' traces
         # Compiled calls in deferred mode: the findings not read yet, `(call index,
         # frame, rows)`, and per frame (trace) the failures read so far, as whole
@@ -106,6 +112,7 @@ class Flags:
     def next_call(self) -> int:
         if self._generation is not thread.generation:
             self._generation = thread.generation
+            self._base += self._call + 1
             self._call = -1
         self._call += 1
         return self._call
@@ -187,7 +194,8 @@ class Flags:
         transfer, not as an operation, so a `checked` call costs one host-to-device
         copy before the program."""
         _, calls = self.refs()
-        set_ref_contents(calls, jax.device_put(np.int32(call), self.placement))
+        index = np.int32(self._base + call)
+        set_ref_contents(calls, jax.device_put(index, self.placement))
 
     def move_to(self, mesh: Any) -> None:
         """The current call's checks' state goes on `mesh` (replicated), if no
@@ -272,7 +280,12 @@ class Flags:
                 read[id(state)] = state.read()
             found = read[id(state)]
             if found is not None and found[site.row, COUNT] > 0:
-                failures.append(site.failure(found[site.row], deferred))
+                failure = site.failure(found[site.row], deferred)
+                if failure.call is not None:
+                    failure = dataclasses.replace(
+                        failure, call=failure.call - self._base
+                    )
+                failures.append(failure)
         return failures
 
     def _prune(self) -> None:

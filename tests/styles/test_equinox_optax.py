@@ -134,3 +134,32 @@ def test_check_tree_of_a_model_and_its_optimizer_state_together(mesh):
         step(model, opt_state)
         with pytest.raises(jaxshard.ShardingError, match=r"tree\[0\]\.weight"):
             step(wrong, opt_state)
+
+
+def test_checked_filter_jit_step_between_raise_and_deferred_calls(mesh):
+    """`checked(eqx.filter_jit(step))` (checks' state in Refs between calls), called
+    in "raise" mode, then in a `deferred_checks()` block, then in "raise" mode
+    again: each failure is said once, with no loop iteration (there is no loop).
+    The call index started again from 0 at each block while a site's state kept the
+    index of the last call it ran in, so a call was taken for a loop iteration of an
+    earlier one ("iteration 2")."""
+    step = jaxshard.checked(_train_step)
+    model = _dense(mesh)
+    with jax.set_mesh(mesh):
+        opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+        x = _batch(mesh)
+        bad = _batch(mesh, nan=True)
+        step(model, opt_state, x)  # call 0 in "raise" mode
+        with jaxshard.deferred_checks():
+            step(model, opt_state, x)  # call 0 of the block
+        with pytest.raises(jaxshard.CheckError) as e:
+            step(model, opt_state, bad)  # call 0 after the flush
+        assert [(f.call, f.iteration) for f in e.value.failures] == [(None, None)]
+        assert "iteration" not in str(e.value)
+        with pytest.raises(jaxshard.CheckError) as e:
+            with jaxshard.deferred_checks():
+                step(model, opt_state, x)
+                step(model, opt_state, bad)
+                step(model, opt_state, bad)
+        failure = e.value.failures[0]
+        assert (failure.call, failure.iteration, failure.calls) == (1, None, 2)
