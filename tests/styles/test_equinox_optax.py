@@ -8,11 +8,12 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from beartype import beartype
 from jax import Array
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxshard
 from jaxshard import Float
@@ -163,3 +164,89 @@ def test_checked_filter_jit_step_between_raise_and_deferred_calls(mesh):
                 step(model, opt_state, bad)
         failure = e.value.failures[0]
         assert (failure.call, failure.iteration, failure.calls) == (1, None, 2)
+
+
+class _Block(eqx.Module):
+    up: Float[Array, "d h", P(None, "tp")]
+    down: Float[Array, "h d", P("tp", None)]
+
+    def __init__(self, key):
+        a, b = jax.random.split(key)
+        self.up = jax.random.normal(a, (16, 32)) * 0.1
+        self.down = jax.random.normal(b, (32, 16)) * 0.1
+
+    @jaxshard.jaxtyped(typechecker=beartype)
+    def __call__(self, x: X) -> X:
+        h = jax.nn.relu(x @ self.up)
+        jaxshard.check_finite(h, name="h")
+        explicit = AxisType.Explicit in jax.sharding.get_abstract_mesh().axis_types
+        out = P("dp", None) if explicit else None  # the contraction is over tp
+        return x + jnp.einsum("bh,hd->bd", h, self.down, out_sharding=out)
+
+
+def _stacked(mesh, layers: int = 3, inf_in: int | None = None) -> _Block:
+    """`layers` blocks stacked by `eqx.filter_vmap`, each weight laid out as its
+    field says with the layer dimension whole; `inf_in`: a layer whose `up`
+    holds an infinity."""
+    blocks = eqx.filter_vmap(_Block)(jax.random.split(jax.random.key(0), layers))
+    up = np.array(blocks.up)
+    if inf_in is not None:
+        up[inf_in, 0, 0] = np.inf
+    up = jax.device_put(up, NamedSharding(mesh, P(None, None, "tp")))
+    down = jax.device_put(blocks.down, NamedSharding(mesh, P(None, "tp", None)))
+    return eqx.tree_at(lambda b: (b.up, b.down), blocks, (up, down))
+
+
+@eqx.filter_jit
+def _scan_step(blocks, opt_state, x):
+    def loss_fn(blocks, x):
+        params, static = eqx.partition(blocks, eqx.is_array)
+        layer = lambda x, p: (eqx.combine(p, static)(x), None)  # noqa: E731
+        return jnp.mean(jax.lax.scan(layer, x, params)[0] ** 2)
+
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(blocks, x)
+    updates, opt_state = OPTIMIZER.update(grads, opt_state, blocks)
+    return eqx.apply_updates(blocks, updates), opt_state, loss
+
+
+def test_scan_over_stacked_layers_says_the_failing_layer(mesh):
+    """Layers stacked with `eqx.filter_vmap` and run by `lax.scan` in a
+    `checked(eqx.filter_jit(step))` with adamw: the `jaxtyped` `__call__`'s
+    contracts hold in every layer on both axis types, and a check failing in
+    layer 1 only is said at iteration 1, in "raise" and in deferred mode."""
+    step = jaxshard.checked(_scan_step)
+    with jax.set_mesh(mesh):
+        blocks, x = _stacked(mesh), _batch(mesh)
+        opt_state = OPTIMIZER.init(blocks)
+        blocks, opt_state, loss = step(blocks, opt_state, x)
+        assert blocks.up.sharding.spec == P(None, None, "tp")
+        bad = _stacked(mesh, inf_in=1)
+        with pytest.raises(jaxshard.CheckError) as e:
+            step(bad, opt_state, x)
+        assert (e.value.failures[0].message, e.value.failures[0].iteration) == (
+            "h holds NaN or infinity (first: inf)",
+            1,
+        )
+        with pytest.raises(jaxshard.CheckError) as e:
+            with jaxshard.deferred_checks():
+                step(blocks, opt_state, x)
+                step(bad, opt_state, x)
+        failure = e.value.failures[0]
+        assert (failure.call, failure.iteration) == (1, 1)
+
+
+def test_a_stacked_weight_laid_out_wrong_is_named_on_auto_axes(auto_mesh):
+    """On Auto axes, a stacked weight laid out over the wrong dimension breaks the
+    scanned layers' contracts when XLA compiles the step; the message names the
+    weight by its path, against its optimizer state laid out as annotated."""
+    with jax.set_mesh(auto_mesh):
+        blocks, x = _stacked(auto_mesh), _batch(auto_mesh)
+        opt_state = OPTIMIZER.init(blocks)
+        up = jax.device_put(blocks.up, NamedSharding(auto_mesh, P(None, "tp", None)))
+        wrong = eqx.tree_at(lambda b: b.up, blocks, up)
+        with pytest.raises(jaxshard.ShardingError) as e:
+            _scan_step(wrong, opt_state, x)
+    assert "the likely cause is blocks.up, laid out P(None, 'tp', None)" in str(
+        e.value
+    ), str(e.value)
+    assert "its optimizer state" in str(e.value)
