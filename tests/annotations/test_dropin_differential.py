@@ -493,6 +493,38 @@ def test_methods_classmethods_and_staticmethods(typechecker):
     _agree(make, [(z(3), z(3))], typechecker, [True])
 
 
+def test_other_callables(typechecker):
+    """What jaxtyping cannot decorate (a partial, a callable instance, a builtin),
+    jaxshard refuses alike; a bound method and a `functools.wraps` wrapper are
+    checked alike."""
+    import functools as ft
+
+    F = jaxtyping.Float[Array, "b"]
+
+    def base(x: F, y: F) -> F:
+        return x
+
+    class Callable:
+        def __call__(self, x: F, y: F):
+            return x
+
+    cases = {
+        "partial": (lambda: ft.partial(base, z(3)), (z(4),)),
+        "instance": (Callable, (z(3), z(4))),
+        "builtin": (lambda: len, ([1],)),
+        "bound": (lambda: Callable().__call__, (z(3), z(4))),
+        "wraps": (lambda: ft.wraps(base)(lambda *a: base(*a)), (z(3), z(4))),
+    }
+    for name, (target, args) in cases.items():
+        theirs, ours = (
+            _outcome(
+                lambda lib=lib: lib.jaxtyped(typechecker=typechecker)(target())(*args)
+            )
+            for lib in _LIBS
+        )
+        assert theirs[0] == ours[0] != "ok", name
+
+
 def test_dataclass_fields_checked_on_init(typechecker):
     def make(lib, typechecker):
         @lib.jaxtyped(typechecker=typechecker)
