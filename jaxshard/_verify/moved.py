@@ -63,6 +63,23 @@ def onto_mesh(fn: Callable, mesh: Mesh, name: str) -> tuple[Callable, tuple[str,
     return jax.jit(fun, **moved), (note,)
 
 
+def top_level(fn: Callable) -> tuple[Callable, dict[str, Any]]:
+    """`(function, options)`: for a `jax.jit` function, the function it wraps and
+    what its program is compiled with (`out_shardings`, `keep_unused`,
+    `compiler_options`), for verify's own program to be jitted with, so that XLA
+    compiles the function at the top level as a call of it does: inside verify's
+    jit, a jitted function's out_shardings would be a constraint XLA propagates
+    back into its body, and a value XLA lays out otherwise in a real call would
+    pass. Any other function: itself, and no options. Static and donated
+    arguments are verify's to pass (it passes static values as Python values, and
+    donation changes no layout)."""
+    params = jit_parameters(fn)
+    if params is None:
+        return fn, {}
+    kept = ("out_shardings", "keep_unused", "compiler_options")
+    return params["fun"], {k: params[k] for k in kept if k in params}
+
+
 def values_onto_mesh(
     values: dict[str, Any], mesh: Mesh, name: str
 ) -> tuple[dict[str, Any], tuple[str, ...]]:

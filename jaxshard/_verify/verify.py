@@ -50,7 +50,7 @@ from .budgets import (
 from .cache import Cache, cache_for
 from .collectives import collectives
 from .frames import _is_user_code, user_frames_by_op
-from .moved import incompatible_devices, onto_mesh, values_onto_mesh
+from .moved import incompatible_devices, onto_mesh, top_level, values_onto_mesh
 from .recorder import Recorder
 from .report import (
     _check_tolerance,
@@ -222,6 +222,7 @@ class _Inputs:
     module: Any  # a `torchax.compile`d module, or None
     notes: tuple[str, ...] = ()  # what the report says of how `fn` was taken
     fills: dict = dataclasses.field(default_factory=dict)  # `split_python_leaves`
+    options: dict = dataclasses.field(default_factory=dict)  # `moved.top_level`
 
     @classmethod
     def of(cls, fn, mesh, dims, dtypes, values) -> "_Inputs":
@@ -243,19 +244,17 @@ class _Inputs:
         notes += moved
         static = {k: v for k, v in bound.items() if k not in traced}
         qualname = function_name(inspect.unwrap(getattr(fn, "__func__", fn)))
-        if module is None:
-            checked = checked_by_jaxshard(fn)
-        else:
-            # The weights are inputs too, laid out on `mesh` as they are now.
+        fun, options = top_level(fn) if module is None else (fn.__func__, {})
+        checked = checked_by_jaxshard(fun)
+        if module is not None:  # its weights are inputs too, laid out as they are
             traced["self"] = tensors.abstract_weights(module, mesh, what)
-            checked = tensors.module_call(module, checked_by_jaxshard(fn.__func__))
-        return cls(
-            name, qualname, checked, traced, static, sig, hints, module, notes, fills
-        )
+            checked = tensors.module_call(module, checked)
+        given = (checked, traced, static, sig, hints, module, notes, fills, options)
+        return cls(name, qualname, *given)
 
-    def program(self) -> Callable:
-        """The function of the abstract inputs that is compiled: `fn` called with
-        them and the static values, every annotated leaf checked."""
+    def program(self) -> Any:
+        """The function of the abstract inputs that is compiled, jitted: `fn`
+        called with them and the static values, every annotated leaf checked."""
         module, sig, hints = self.module, self.sig, self.hints
 
         def program(inputs):
@@ -286,7 +285,7 @@ class _Inputs:
             return out if module is None else tensors.to_jax(out)
 
         program.__name__ = program.__qualname__ = self.name.rsplit(".", 1)[-1]
-        return program
+        return jax.jit(program, **self.options)
 
 
 def _compiled(inputs: _Inputs, mesh: Mesh, cache: Cache | None = None) -> tuple:
@@ -416,7 +415,7 @@ def _compile(
         _config.overriding(sharding="check", recorder=recorder),
     ):
         try:
-            lowered = jax.jit(program).lower(traced)
+            lowered = program.lower(traced)
             # The lowered module's locations keep each op's whole call chain.
             text = lowered.as_text(debug_info=True)
             stored = None if cache is None else cache.lookup(text, recorder.sites)

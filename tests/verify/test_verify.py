@@ -213,8 +213,35 @@ def test_jit_shardings_are_checked_against_the_annotations(auto_mesh):
     clash = jax.jit(_plain_layer, static_argnums=1, out_shardings=tp)
     with pytest.raises(jaxshard.ShardingError, match="return") as e:
         jaxshard.verify(clash, mesh=auto_mesh, dims=dims, values={"scale": 2})
+    # As in a call of `clash`: its program at the top level, the out_shardings
+    # propagated into its body as XLA propagates them there.
     (row,) = e.value.report.violations
-    assert row.name == "return" and row.actual_spec == "P(None, 'tp')"
+    assert row.name == "return" and "'tp'" in row.actual_spec
+
+
+def test_a_jit_is_compiled_at_the_top_level_as_its_call_is(auto_mesh):
+    """verify compiles a `jax.jit` function's program as a call of it compiles it,
+    not nested in a jit of its own, where XLA propagates its out_shardings into the
+    body otherwise: a return value that a call finds laid out wrong is found wrong
+    by verify too."""
+    dp = NamedSharding(auto_mesh, P("dp", None))
+    tp = NamedSharding(auto_mesh, P(None, "tp"))
+
+    @jaxshard.jaxtyped(typechecker=beartype.beartype)
+    def layer(
+        x: Float[Array, "b d", P("dp", None)], w: Float[Array, "d d", P(None, "tp")]
+    ) -> Float[Array, "b d", P("dp", None)]:
+        return (x @ w) * 0 + x
+
+    step = jax.jit(layer, in_shardings=(dp, tp), out_shardings=dp)
+    x = jax.device_put(jnp.ones((8, 4)), dp)
+    w = jax.device_put(jnp.ones((4, 4)), tp)
+    with pytest.raises(jaxshard.ShardingError) as called:
+        step(x, w)
+    with pytest.raises(jaxshard.ShardingError) as verified:
+        jaxshard.verify(step, mesh=auto_mesh, dims={"b": 8, "d": 4})
+    (row,) = verified.value.report.violations
+    assert row.name == "return" and row.actual_spec in str(called.value)
 
 
 def test_wrong_argument_types_name_the_parameter(auto_mesh):
