@@ -3,6 +3,8 @@
 moved onto verify's mesh with the same `PartitionSpec`s, or refused with a message
 that says what to pass instead."""
 
+import functools as ft
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +15,7 @@ from .._annotations.spec import axes_of, format_spec
 from .._jax_internals import jit_parameters
 from .._sharding.boxes import unboxed_paths
 from .._sharding.describe import describe_devices, describe_mesh
+from .._sharding.signature import _POSITIONAL
 from .budgets import path_name
 
 
@@ -63,21 +66,64 @@ def onto_mesh(fn: Callable, mesh: Mesh, name: str) -> tuple[Callable, tuple[str,
     return jax.jit(fun, **moved), (note,)
 
 
-def top_level(fn: Callable) -> tuple[Callable, dict[str, Any]]:
-    """`(function, options)`: for a `jax.jit` function, the function it wraps and
-    what its program is compiled with (`out_shardings`, `keep_unused`,
-    `compiler_options`), for verify's own program to be jitted with, so that XLA
-    compiles the function at the top level as a call of it does: inside verify's
-    jit, a jitted function's out_shardings would be a constraint XLA propagates
-    back into its body, and a value XLA lays out otherwise in a real call would
-    pass. Any other function: itself, and no options. Static and donated
-    arguments are verify's to pass (it passes static values as Python values, and
-    donation changes no layout)."""
+def top_level(
+    fn: Callable, sig: inspect.Signature, traced: dict[str, Any], mesh: Mesh
+) -> tuple[Callable, dict[str, Any], dict[str, Any]]:
+    """`(function, options, traced)`: what a call of the `jax.jit` function `fn`
+    compiles, for verify to compile at the top level as the call does (inside a jit
+    of verify's, `fn`'s out_shardings would be a constraint XLA propagates back into
+    its body, and a value laid out otherwise in a real call would pass): the
+    function it wraps; what its program is compiled with (`out_shardings`,
+    `keep_unused`, `compiler_options`), for verify's jit; and the parameters'
+    abstract values `traced` laid out as its `in_shardings` lay them out, as the
+    program receives them (JAX places an uncommitted argument so, and refuses a
+    committed one laid out otherwise). Any other function: itself, no options and
+    `traced` as it is. Static arguments are verify's to pass, as Python values;
+    donation changes no layout."""
     params = jit_parameters(fn)
     if params is None:
-        return fn, {}
+        return fn, {}, traced
     kept = ("out_shardings", "keep_unused", "compiler_options")
-    return params["fun"], {k: params[k] for k in kept if k in params}
+    options = {k: params[k] for k in kept if k in params}
+    if "in_shardings" not in params:
+        return params["fun"], options, traced
+    static = {*params["static_argnums"], *params["static_argnames"]}
+    dynamic = [
+        p.name
+        for i, p in enumerate(sig.parameters.values())
+        if p.kind in _POSITIONAL and i not in static and p.name not in static
+    ]
+    given = params["in_shardings"]  # over the dynamic positional arguments
+    given = given if isinstance(given, tuple) else (given,) * len(dynamic)
+    traced = dict(traced)
+    for name, shardings in zip(dynamic, given):
+        if name in traced:
+            try:
+                traced[name] = jax.tree.map(
+                    ft.partial(_received, mesh),
+                    shardings,
+                    traced[name],
+                    is_leaf=lambda x: x is None,
+                )
+            except ValueError:  # not a prefix of the value: JAX's error, at a call
+                pass
+    return params["fun"], options, traced
+
+
+def _received(mesh: Mesh, sharding: Any, value: Any) -> Any:
+    """`value`'s arrays laid out by `sharding` (a leaf of jit's in_shardings)."""
+    sharding = getattr(sharding, "sharding", sharding)  # a `Format`'s
+    if isinstance(sharding, PartitionSpec):
+        sharding = NamedSharding(mesh, sharding)
+    if sharding is None:
+        return value
+
+    def laid_out(x: Any) -> Any:
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(laid_out, value)
 
 
 def values_onto_mesh(

@@ -244,11 +244,13 @@ class _Inputs:
         notes += moved
         static = {k: v for k, v in bound.items() if k not in traced}
         qualname = function_name(inspect.unwrap(getattr(fn, "__func__", fn)))
-        fun, options = top_level(fn) if module is None else (fn.__func__, {})
-        checked = checked_by_jaxshard(fun)
-        if module is not None:  # its weights are inputs too, laid out as they are
+        if module is None:
+            fun, options, traced = top_level(fn, sig, traced, mesh)
+            checked = checked_by_jaxshard(fun)
+        else:  # its weights are inputs too, laid out as they are
+            options = {}
             traced["self"] = tensors.abstract_weights(module, mesh, what)
-            checked = tensors.module_call(module, checked)
+            checked = tensors.module_call(module, checked_by_jaxshard(fn.__func__))
         given = (checked, traced, static, sig, hints, module, notes, fills, options)
         return cls(name, qualname, *given)
 
@@ -261,13 +263,11 @@ class _Inputs:
             given = {**self.static, **refill(inputs, self.fills)}
             if module is not None:
                 given = tensors.from_jax(given)
-            args, kwargs = [], {}
-            order = list(sig.parameters)
+            args, kwargs, order = [], {}, list(sig.parameters)
             for p in sig.parameters.values():
                 if p.name not in given:
                     continue
-                # Positionally while none is skipped: a jit with in_shardings takes
-                # no keyword arguments.
+                # Positionally while none is skipped (as jit's in_shardings ask).
                 if (
                     p.kind in _POSITIONAL
                     and not kwargs

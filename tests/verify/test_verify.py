@@ -219,6 +219,24 @@ def test_jit_shardings_are_checked_against_the_annotations(auto_mesh):
     assert row.name == "return" and "'tp'" in row.actual_spec
 
 
+def test_a_jits_in_shardings_lay_out_what_its_program_receives(auto_mesh):
+    """A jit's program receives its arguments as its `in_shardings` lay them out
+    (over the arguments that are not static): one that contradicts a parameter's
+    annotation is that parameter's violation, as in a call; agreeing ones pass."""
+    dims = {"b": 8, "d": 4}
+    rows = NamedSharding(auto_mesh, P(None, "dp"))
+    clash = jax.jit(_plain_layer, static_argnums=1, in_shardings=(rows,))
+    with pytest.raises(jaxshard.ShardingError, match="parameter 'x'") as e:
+        jaxshard.verify(clash, mesh=auto_mesh, dims=dims, values={"scale": 2})
+    assert "x" in [row.name for row in e.value.report.violations]
+    called = jaxshard.jaxtyped(clash, typechecker=beartype.beartype)
+    with pytest.raises(jaxshard.ShardingError, match="parameter 'x'"):
+        jax.block_until_ready(called(jnp.ones((8, 4)), 2))
+    agree = jax.jit(_plain_layer, static_argnums=1, in_shardings=P("dp"))
+    with jax.set_mesh(auto_mesh):
+        assert jaxshard.verify(agree, mesh=auto_mesh, dims=dims, values={"scale": 2}).ok
+
+
 def test_a_jit_is_compiled_at_the_top_level_as_its_call_is(auto_mesh):
     """verify compiles a `jax.jit` function's program as a call of it compiles it,
     not nested in a jit of its own, where XLA propagates its out_shardings into the
