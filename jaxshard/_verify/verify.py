@@ -98,11 +98,12 @@ def verify(
 
     **Arguments:**
 
-    - `fn`: the function, e.g. a training step or a model's forward pass (jitted or
-        not). A `jax.jit` whose shardings are on other devices than `mesh`'s (the
-        CPUs at hand) is jitted anew with each `NamedSharding`'s spec on `mesh`, and
-        the report's notes say so. An equinox Module (also under `eqx.filter_jit`)
-        is its `__call__`, with its weights as inputs laid out as they are.
+    - `fn`: the function, e.g. a training step or a model's forward pass, jitted or
+        not: a `jax.jit` is compiled as a call of it is, at the top level with its
+        `in_shardings` and `out_shardings` (each `NamedSharding`'s spec on `mesh` if
+        they name other devices, the CPUs at hand, which the report's notes say).
+        An equinox Module (also under `eqx.filter_jit`) is its `__call__`, with its
+        weights as inputs laid out as they are.
     - `mesh`: the mesh: `jaxshard.tpu_mesh("v5e:16x16", {"dp": 16, "tp": 16})` for a
         TPU pod, or a mesh of simulated CPU devices.
     - `dims`, `dtypes`, `values`: as for `jaxshard.abstract_args`. Values that hold
