@@ -15,7 +15,7 @@ from .._annotations.spec import axes_of, format_spec
 from .._jax_internals import jit_parameters
 from .._sharding.boxes import unboxed_paths
 from .._sharding.describe import describe_devices, describe_mesh
-from .._sharding.signature import _POSITIONAL
+from .._sharding.signature import _name, _POSITIONAL
 from .budgets import path_name
 
 
@@ -95,23 +95,50 @@ def top_level(
     ]
     given = params["in_shardings"]  # over the dynamic positional arguments
     given = given if isinstance(given, tuple) else (given,) * len(dynamic)
+    passed = [p for p in dynamic if p in traced]
+    if not len(passed) <= len(given) <= len(dynamic):  # as a call, JAX refuses it
+        raise ValueError(
+            f"jaxshard.verify({_name(fn)}): the jax.jit's in_shardings give "
+            f"{len(given)} shardings, but its positional arguments that are not "
+            f"static are {len(dynamic)} ({', '.join(dynamic) or 'none'}), and a call "
+            "of it is refused: give one sharding (or None) for each, in order."
+        )
     traced = dict(traced)
-    for name, shardings in zip(dynamic, given):
+    for i, (name, shardings) in enumerate(zip(dynamic, given)):
         if name in traced:
+            where = f"in_shardings[{i}], for parameter {name!r}"
             try:
                 traced[name] = jax.tree.map(
-                    ft.partial(_received, mesh),
+                    ft.partial(_received, mesh, where, _name(fn)),
                     shardings,
                     traced[name],
                     is_leaf=lambda x: x is None,
                 )
-            except ValueError:  # not a prefix of the value: JAX's error, at a call
-                pass
+            except _Refused:
+                raise
+            except ValueError:  # not a prefix of the value
+                structures = (
+                    jax.tree.structure(shardings, is_leaf=lambda x: x is None),
+                    jax.tree.structure(traced[name]),
+                )
+                raise ValueError(
+                    f"jaxshard.verify({_name(fn)}): the jax.jit's {where} is not a "
+                    f"prefix of the value's structure (it is {structures[0]}, the "
+                    f"value {structures[1]}), and a call of it is refused: give one "
+                    "sharding for the whole value, or a tree of them in its "
+                    "structure."
+                ) from None
     return params["fun"], options, traced
 
 
-def _received(mesh: Mesh, sharding: Any, value: Any) -> Any:
-    """`value`'s arrays laid out by `sharding` (a leaf of jit's in_shardings)."""
+class _Refused(ValueError):
+    """An in_shardings leaf that a call of the jit refuses for its array."""
+
+
+def _received(mesh: Mesh, where: str, name: str, sharding: Any, value: Any) -> Any:
+    """`value`'s arrays laid out by `sharding` (a leaf of jit's in_shardings,
+    `where` it is); a `ValueError` for an array of fewer dimensions than its spec
+    has entries, which a call of the jit refuses."""
     sharding = getattr(sharding, "sharding", sharding)  # a `Format`'s
     if isinstance(sharding, PartitionSpec):
         sharding = NamedSharding(mesh, sharding)
@@ -121,6 +148,14 @@ def _received(mesh: Mesh, sharding: Any, value: Any) -> Any:
     def laid_out(x: Any) -> Any:
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
             return x
+        spec = getattr(sharding, "spec", ())
+        if len(spec) > len(x.shape):
+            raise _Refused(
+                f"jaxshard.verify({name}): the jax.jit's {where} lays out an array "
+                f"of shape {tuple(x.shape)} as {format_spec(spec)}, which has more "
+                "entries than the array has dimensions, and a call of it is "
+                "refused: give that array a sharding of its rank (or None)."
+            )
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     return jax.tree.map(laid_out, value)
