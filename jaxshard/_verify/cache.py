@@ -33,6 +33,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from .._sharding.decorator import _user_frame
 from .._version import __version__
 from .files import write_bytes
 from .report import Report
@@ -84,7 +85,7 @@ class Cache:
             warnings.warn(
                 f"jaxshard.verify: the report was not stored in the cache at "
                 f"{self.folder} ({type(e).__name__}: {e}).",
-                stacklevel=3,
+                stacklevel=_user_frame(),  # the user's verify call
             )
             return
         _bound(self.folder, _max_bytes())
@@ -106,7 +107,7 @@ class Cache:
             warnings.warn(
                 f"jaxshard.verify: the cache entry {path} cannot be read ({e}); "
                 "compiling instead, and writing it anew.",
-                stacklevel=4,
+                stacklevel=_user_frame(),
             )
             return None
         os.utime(path)  # used: the last to go
