@@ -4,7 +4,6 @@ and the Python API's errors reworded for the command line."""
 
 import argparse
 import importlib
-import importlib.util
 import inspect
 import os
 import re
@@ -15,6 +14,7 @@ from typing import Any
 
 from .._errors import did_you_mean
 from .frames import _relative
+from .modules import attribute, import_file
 
 
 # The most CPU devices a run simulates: XLA's CPU compiler refuses a program for more
@@ -413,14 +413,9 @@ def _load_object(target: str, what: str) -> Any:
     if module_name.endswith(".py") or os.sep in module_name:
         if not os.path.isfile(module_name):
             raise ValueError(f"cannot import {module_name!r}: no such file")
-        name = os.path.splitext(os.path.basename(module_name))[0]
-        spec = importlib.util.spec_from_file_location(name, module_name)
-        module = importlib.util.module_from_spec(spec)  # pyright: ignore
-        sys.modules[name] = module
         try:
-            spec.loader.exec_module(module)  # pyright: ignore
+            module = import_file(module_name)  # as `python PATH` runs it
         except (Exception, SystemExit) as e:
-            del sys.modules[name]
             raise CodeFailed(_raised(f"{importing} {module_name}", e)) from e
     else:
         if "" not in sys.path and os.getcwd() not in sys.path:
@@ -435,15 +430,7 @@ def _load_object(target: str, what: str) -> Any:
             raise CodeFailed(_raised(f"{importing} {module_name}", e)) from e
         except (Exception, SystemExit) as e:
             raise CodeFailed(_raised(f"{importing} {module_name}", e)) from e
-    obj = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(
-                f"module {module_name!r} has no attribute {attr!r}"
-            ) from None
-    return obj
+    return attribute(module, module_name, attr)
 
 
 class CodeFailed(ImportError):
