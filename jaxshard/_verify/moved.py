@@ -264,6 +264,25 @@ def _on(mesh: Mesh) -> str:
     return f"mesh {describe_mesh(mesh)} of {describe_devices(mesh)}"
 
 
+def refused_by_jit(name: str, mesh: Mesh, error: Exception) -> str | None:
+    """What JAX's refusal to compile `name` means when it is the jit's own, not
+    the model's: devices other than the mesh's (`incompatible_devices`), or the
+    jit's out_shardings not fitting the return value, as a call of it refuses
+    them; else `None`."""
+    text = str(error)
+    if "Received incompatible devices" in text:
+        return incompatible_devices(name, mesh, error)
+    if "pjit out_shardings" not in text and "pjit outputs" not in text:
+        return None
+    return (
+        f"jaxshard.verify({name}): the jax.jit's out_shardings do not fit "
+        f"{name}'s return value, and a call of it is refused: "
+        f"{' '.join(text.split())} Give one sharding for the whole return value, "
+        "or a tree of them in its structure, each of its array's rank (None: "
+        "XLA's choice)."
+    )
+
+
 def incompatible_devices(name: str, mesh: Mesh, error: Exception) -> str:
     """What JAX's refusal of devices other than the mesh's means, when neither the
     jit's shardings nor the values were the cause: a sharding made inside the

@@ -28,11 +28,7 @@ from .._jax_internals import function_name, is_sharding_type_error
 from .._sharding import diagnosis
 from .._sharding.array_types import partition_spec
 from .._sharding.decorator import checked_by_jaxshard
-from .._sharding.describe import (
-    describe_devices,
-    describe_mesh,
-    naming,
-)
+from .._sharding.describe import describe_devices, describe_mesh, naming
 from .._sharding.partitioning import check_partitioning, Partitioned
 from .._sharding.signature import _name, _POSITIONAL, _tree, signature
 from .abstract import _bound_inputs, model_as_self, refill, split_python_leaves
@@ -50,7 +46,7 @@ from .budgets import (
 from .cache import Cache, cache_for
 from .collectives import collectives
 from .frames import _is_user_code, user_frames_by_op
-from .moved import incompatible_devices, onto_mesh, top_level, values_onto_mesh
+from .moved import onto_mesh, refused_by_jit, top_level, values_onto_mesh
 from .recorder import Recorder
 from .report import (
     _check_tolerance,
@@ -427,8 +423,8 @@ def _compile(
         except Exception as e:
             if is_sharding_type_error(e):
                 raise ModelError(_sharding_type_error(name, mesh, e)) from e
-            if "Received incompatible devices" in str(e):  # inside the function
-                raise ValueError(incompatible_devices(name, mesh, e)) from e
+            if refused_by_jit(name, mesh, e):  # other devices, or out_shardings
+                raise ValueError(refused_by_jit(name, mesh, e)) from e
             if "CustomSPMDPartitioning" in str(e) and _config.current().checks != "off":
                 raise _NoCustomPartitioning from e
             if "RESOURCE_EXHAUSTED" not in str(e):

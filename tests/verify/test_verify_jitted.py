@@ -177,3 +177,57 @@ def test_a_flax_train_step_jitted_with_state_shardings(auto_mesh):
         jaxshard.verify(
             step(P("dp", None), None), mesh=auto_mesh, dims=DIMS, values=values
         )
+
+
+def pair(
+    x: Float[Array, "b d", P("dp", None)],
+) -> tuple[Float[Array, "b d", P("dp", None)], Float[Array, "b"]]:
+    return x * 2, x.sum(1)
+
+
+def _pair(fn, mesh):
+    """`(verified, called)`: verify's report of `fn`, and a checked call's result."""
+    report = jaxshard.verify(fn, mesh=mesh, dims=DIMS, raise_on_error=False)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("dp", None)))
+        return report, jaxshard.jaxtyped(fn, typechecker=beartype.beartype)(x)
+
+
+def test_out_shardings_as_users_give_them(mesh):
+    """out_shardings as a tree of the return value, with None leaves: the layout a
+    call returns is the report's."""
+    rows, dp = NamedSharding(mesh, P("dp", None)), NamedSharding(mesh, P("dp"))
+    for given, second in (((rows, dp), P("dp")), ((rows, None), None)):
+        report, (_, out) = _pair(jax.jit(pair, out_shardings=given), mesh)
+        assert report.ok
+        assert report.outputs["return[0]"].sharding.spec == P("dp", None)
+        if second is not None:
+            assert out.sharding.spec == report.outputs["return[1]"].sharding.spec
+
+
+def test_out_shardings_that_clash_with_the_return_annotation(auto_mesh):
+    columns = NamedSharding(auto_mesh, P(None, "tp"))
+    step = jax.jit(pair, out_shardings=(columns, None))
+    report = jaxshard.verify(step, mesh=auto_mesh, dims=DIMS, raise_on_error=False)
+    assert [r.name for r in report.violations] == ["return[0]"]
+    with pytest.raises(jaxshard.ShardingError, match="return value's leaf '\\[0\\]'"):
+        _pair(step, auto_mesh)
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        lambda s: s,  # a 2-d spec for the 1-d second output too
+        lambda s: {"a": s},
+        lambda s: (s, None, None),
+    ],
+    ids=["rank", "not-a-prefix", "too-many"],
+)
+def test_out_shardings_a_call_refuses_are_refused_by_verify(given, mesh):
+    """out_shardings that do not fit the return value make a call fail: verify
+    says so in its own words, not only in JAX's."""
+    step = jax.jit(pair, out_shardings=given(NamedSharding(mesh, P("dp", None))))
+    with jax.set_mesh(mesh), pytest.raises(ValueError):
+        step(jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("dp", None))))
+    with pytest.raises(ValueError, match=r"verify\(pair\): the jax.jit's out_sh"):
+        jaxshard.verify(step, mesh=mesh, dims=DIMS)
